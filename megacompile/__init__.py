@@ -1,0 +1,29 @@
+"""megacompile: train models larger than GPU memory on one GPU, as a torch.compile backend.
+
+    step = torch.compile(step, backend="megatrain", options={"device": "cuda", "memory_budget": "8GiB"})
+
+The backend is registered through the ``torch_dynamo_backends`` entry point, so no import is
+needed; importing this package registers it as well (for uninstalled checkouts).
+"""
+from __future__ import annotations
+
+from . import ops  # noqa: F401  (registers the megatrain op library)
+from .backend import megatrain
+from .errors import BudgetError, MegacompileError, OptionsError, PlacementError
+from .options import Options, parse_options
+from .report import StepReport, last_report
+
+__all__ = [
+    "BudgetError", "MegacompileError", "Options", "OptionsError", "PlacementError", "StepReport",
+    "last_report", "megatrain", "parse_options",
+]
+
+
+def _register_backend() -> None:
+    from torch._dynamo import list_backends, register_backend
+
+    if "megatrain" not in list_backends(exclude_tags=()):
+        register_backend(megatrain, name="megatrain")
+
+
+_register_backend()

@@ -1,0 +1,114 @@
+"""Every private PyTorch API megacompile touches, in one place.
+
+PyTorch's internals move between releases (we support 2.11 to 2.13). Nothing outside this
+module imports from ``torch._*``; when a release moves something, this is the one file to fix.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+# --- Dynamo -----------------------------------------------------------------------------
+from torch._dynamo.exc import BackendCompilerFailed, ShortenTraceback  # noqa: F401
+
+
+def passthrough_exception_base() -> type:
+    """A base class whose exceptions Dynamo re-raises to the user unwrapped.
+
+    Dynamo wraps any other backend exception in ``BackendCompilerFailed``; users of
+    megacompile should be able to write ``except megacompile.BudgetError``.
+    """
+    return ShortenTraceback
+
+
+def dynamo_input_source_name(placeholder: fx.Node) -> str | None:
+    """The user-facing source of a Dynamo graph input, e.g. ``G['model']._modules['0']...``."""
+    grapharg = placeholder.meta.get("grapharg")
+    if grapharg is None or getattr(grapharg, "source", None) is None:
+        return None
+    try:
+        return grapharg.source.name
+    except Exception:  # pragma: no cover - source kinds without a name
+        return None
+
+
+# --- AOTAutograd ------------------------------------------------------------------------
+from torch._functorch import partitioners as _partitioners  # noqa: E402
+from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402,F401
+
+
+def is_primal(node: fx.Node) -> bool:
+    return node.op == "placeholder" and node.target.startswith("primals")
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and node.target.startswith("tangents")
+
+
+def is_forward_tagged(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_forward"
+
+
+def is_backward_tagged(node: fx.Node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def extract_forward_backward(
+    joint: fx.GraphModule,
+    saved_values: list[fx.Node],
+    saved_sym_nodes: list[fx.Node],
+    num_fwd_outputs: int,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split a joint graph given the values the forward saves for the backward.
+
+    Forward nodes the backward needs but that are not saved are copied into the backward
+    (recomputed there).
+    """
+    fn = _partitioners._extract_fwd_bwd_modules
+    params = inspect.signature(fn).parameters
+    kwargs: dict[str, Any] = {"num_fwd_outputs": num_fwd_outputs}
+    if "saved_opaque_nodes" in params:
+        kwargs["saved_opaque_nodes"] = []
+    return fn(joint, saved_values, saved_sym_nodes=saved_sym_nodes, **kwargs)
+
+
+def is_sym_node(node: fx.Node) -> bool:
+    from torch.fx.experimental.proxy_tensor import is_sym_node as _is_sym_node
+
+    return _is_sym_node(node)
+
+
+# --- Fake tensors -----------------------------------------------------------------------
+def fake_mode_of(gm: fx.GraphModule):
+    """The FakeTensorMode the graph's ``meta['val']`` tensors belong to, if any."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor):
+            return val.fake_mode
+    return None
+
+
+def is_fake_tensor(x: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+# --- Inductor ---------------------------------------------------------------------------
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """Compile an FX graph with Inductor (Triton on CUDA, C++ on CPU)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, list(example_inputs))
+
+
+def inductor_backend() -> Callable:
+    """Plain Inductor as a Dynamo backend: the fallback for graphs megacompile declines."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx

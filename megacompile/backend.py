@@ -1,0 +1,138 @@
+"""The ``megatrain`` Dynamo backend: ``torch.compile(step, backend="megatrain", options=...)``.
+
+Dynamo splits the user's step into graphs and calls ``megatrain`` once per graph:
+- a graph that needs gradients (the forward and loss) goes through AOTAutograd with our
+  partitioner and passes (``capture.TrainingCompiler``) and runs on the streaming runtime;
+- a graph that needs none, typically the optimizer's ``step`` (Dynamo captures stock
+  ``torch.optim`` optimizers), runs on the host over the host-resident parameters and
+  optimizer state;
+- a graph the passes cannot handle falls back to plain Inductor (plain eager under
+  ``lowering="eager"``) with one warning line saying why.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import _torch_compat as compat
+from .capture import COMPILED, CompiledGraph, TrainingCompiler, lower_with
+from .errors import PlacementError, UnsupportedGraph
+from .node_info import source_to_name
+from .options import Options, parse_options
+from .report import RECORDER
+
+
+def describe_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[list[str], list[str]]:
+    """The user's names for the graph inputs and whether each is a parameter or an input."""
+    names, roles = [], []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, value in enumerate(example_inputs):
+        source = compat.dynamo_input_source_name(placeholders[i]) if i < len(placeholders) else None
+        names.append(source_to_name(source) if source else (placeholders[i].name if i < len(placeholders) else f"input_{i}"))
+        is_param = isinstance(value, torch.nn.Parameter) or (
+            isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf
+        )
+        roles.append("param" if is_param else "input")
+    # Two inputs must never share a name: generated node names derive from them.
+    seen: dict[str, int] = {}
+    for i, n in enumerate(names):
+        if n in seen:
+            names[i] = f"{n}_{i}"
+        seen[names[i]] = i
+    return names, roles
+
+
+def check_placement(example_inputs: list, names: list[str], roles: list[str]) -> None:
+    """megatrain keeps parameters in host memory and moves them itself.
+
+    A parameter already on an accelerator (``model.cuda()``) would be duplicated on the device
+    and count against the budget twice, so it is an error that says what to change.
+    """
+    for value, name, role in zip(example_inputs, names, roles):
+        if role == "param" and isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            raise PlacementError(
+                f"megatrain: parameter '{name}' is on {value.device}, but megatrain keeps parameters in host "
+                f"memory and streams them to the device itself. Keep the model on the CPU (remove "
+                f"model.to('{value.device.type}') / model.cuda()); inputs may stay where they are."
+            )
+
+
+def _unsupported_reason(gm: fx.GraphModule) -> str | None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            return (f"the graph calls the higher-order op '{node.target.__name__}', whose subgraphs the "
+                    f"streaming passes cannot rewrite yet")
+    return None
+
+
+def _looks_like_optimizer(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if isinstance(name, str) and name.endswith("_") and not name.startswith("__") and node.op != "placeholder":
+            return True
+    return False
+
+
+def _host_region(gm: fx.GraphModule, example_inputs: list, options: Options) -> Any:
+    """A graph without gradients (the optimizer step): it runs on the host, on host state."""
+    label = "optimizer (host)" if _looks_like_optimizer(gm) else "host graph"
+    record = CompiledGraph(label=label, options=options)
+    record.snapshots = []
+    from .printer import format_graph
+    from megacompile.passes import GraphSnapshot
+
+    record.snapshots.append(GraphSnapshot("optimizer" if "optimizer" in label else "host", "captured",
+                                          format_graph(gm, f"{label}: captured (runs on the host)"), 0, 0, 0.0))
+    COMPILED.append(record)
+    if options.lowering == "inductor":
+        compiled = compat.inductor_compile(gm, example_inputs)
+    else:
+        compiled = gm.forward
+
+    @torch.compiler.disable
+    def run_on_host(*args):
+        out = compiled(*args)
+        RECORDER.host_graph_ran(label)
+        return out
+
+    return run_on_host
+
+
+def _fallback(gm: fx.GraphModule, example_inputs: list, options: Options, reason: str) -> Any:
+    target = "Inductor" if options.lowering == "inductor" else "eager (lowering='eager')"
+    warnings.warn(f"megatrain: {reason}; compiling this graph with plain {target} instead (results stay correct)",
+                  stacklevel=2)
+    if options.lowering == "inductor":
+        return compat.inductor_backend()(gm, example_inputs)
+    return gm.forward
+
+
+def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_ignored: Any) -> Any:
+    opts = parse_options(options)
+    names, roles = describe_inputs(gm, example_inputs)
+    check_placement(example_inputs, names, roles)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    )
+    if not needs_grad:
+        return _host_region(gm, example_inputs, opts)
+    reason = _unsupported_reason(gm)
+    if reason is not None:
+        return _fallback(gm, example_inputs, opts, reason)
+    from megacompile.runtime.device import get_device
+
+    device = get_device(opts.device)
+    compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
+    try:
+        return compat.aot_module_simplified(
+            gm, example_inputs,
+            fw_compiler=compiler.compile_forward,
+            bw_compiler=compiler.compile_backward,
+            partition_fn=compiler.partition,
+            inference_compiler=compiler.compile_inference,
+        )
+    except UnsupportedGraph as e:
+        return _fallback(gm, example_inputs, opts, str(e))

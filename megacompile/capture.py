@@ -1,0 +1,215 @@
+"""Compiles one captured training graph: partition, passes, plan, budget check, lowering.
+
+AOTAutograd traces the Dynamo graph into a joint forward+backward aten graph and calls our
+``partition`` with it. There, for each recompute policy the options allow (cheapest first),
+the joint graph is annotated and marked, split into forward and backward, both are rewritten
+by the passes, and the memory estimate is compared with the budget; the first plan that fits
+wins. A budget no plan meets raises ``BudgetError`` here, before anything has run.
+AOTAutograd then hands the rewritten graphs to ``compile_forward`` / ``compile_backward``,
+which lower them to ``StreamingProgram``s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from megacompile.passes import PassContext, run_passes
+
+from . import _torch_compat as compat
+from .errors import BudgetError
+from .node_info import info, size_hint
+from .options import Options, format_bytes
+from .plan import MemoryEstimate, TrainingPlan, estimate_memory
+from .report import RECORDER, LayerRow, StepReport
+
+_graph_counter = itertools.count()
+
+# Every graph compiled in this process, newest last, for `megacompile inspect`.
+COMPILED: list["CompiledGraph"] = []
+
+
+def _policies(options: Options) -> list[str]:
+    return {"auto": ["keep", "recompute"], "never": ["keep"], "always": ["recompute"]}[options.recompute]
+
+
+@dataclasses.dataclass
+class CompiledGraph:
+    label: str
+    options: Options
+    snapshots: list = dataclasses.field(default_factory=list)
+    plan: TrainingPlan | None = None
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    param_bytes_by_layer: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def measures_peak(self) -> bool:
+        # CUDA: the allocator measures everything. CPU stand-in: only the eager lowering
+        # hands every device-side tensor to the tracker.
+        return self.options.device == "cuda" or self.options.lowering == "eager"
+
+    def make_report(self, device, measured: int | None, host_graphs: list[str]) -> StepReport:
+        plan = self.plan
+        layers: dict[str, LayerRow] = {}
+
+        def row(name: str | None) -> LayerRow:
+            key = name or "(glue)"
+            if key not in layers:
+                layers[key] = LayerRow(key)
+            return layers[key]
+
+        for layer, nbytes in self.param_bytes_by_layer.items():
+            row(layer).param_bytes += nbytes
+        for layer, nbytes in device.stats.h2d_by_layer.items():
+            row(layer).h2d_bytes = nbytes
+        for layer, nbytes in device.stats.d2h_by_layer.items():
+            row(layer).d2h_bytes = nbytes
+        if self.forward is not None:
+            saved = set(plan.saved_values)
+            for node in self.forward.graph.nodes:
+                if node.name in saved and info(node).placement == "device":
+                    row(info(node).layer).saved_activation_bytes += size_hint(info(node).nbytes)
+        if self.backward is not None:
+            for node in self.backward.graph.nodes:
+                if node.op == "call_function" and info(node).phase == "recompute":
+                    row(info(node).layer).recomputed_ops += 1
+        for est, attr in ((plan.forward, "planned_forward_peak"), (plan.backward, "planned_backward_peak")):
+            if est is not None:
+                for layer, peak in est.per_layer_peak.items():
+                    setattr(row(layer), attr, peak)
+        return StepReport(
+            device=self.options.device,
+            lowering=self.options.lowering,
+            memory_budget=self.options.memory_budget,
+            policy=plan.policy,
+            planned_peak_device_bytes=plan.peak_bytes,
+            measured_peak_device_bytes=measured,
+            h2d_bytes=device.stats.h2d_bytes,
+            d2h_bytes=device.stats.d2h_bytes,
+            recomputed_ops=list(plan.recomputed_ops),
+            layers=list(layers.values()),
+            graphs=[self.label],
+            host_graphs=host_graphs,
+            notes=[plan.reason] if plan.reason else [],
+        )
+
+
+class TrainingCompiler:
+    """The AOTAutograd callbacks for one Dynamo graph."""
+
+    def __init__(self, options: Options, device, input_names: list[str], input_roles: list[str],
+                 example_inputs: list, lowering_fn) -> None:
+        self.options = options
+        self.device = device
+        self.input_names = input_names
+        self.input_roles = input_roles
+        self.lower = lowering_fn
+        self.record = CompiledGraph(label=f"graph{next(_graph_counter)}", options=options)
+        for name, role, value in zip(input_names, input_roles, example_inputs):
+            if role == "param" and isinstance(value, torch.Tensor):
+                from .node_info import layer_of_module_path
+
+                layer = layer_of_module_path(name.rsplit(".", 1)[0]) if "." in name else None
+                key = layer or "(glue)"
+                self.record.param_bytes_by_layer[key] = (
+                    self.record.param_bytes_by_layer.get(key, 0) + value.numel() * value.element_size()
+                )
+
+    def _ctx(self, stage: str, plan: TrainingPlan, num_user_outputs: int = 0) -> PassContext:
+        return PassContext(self.options, stage, plan, self.input_names, self.input_roles, num_user_outputs)
+
+    # --- AOTAutograd callbacks ----------------------------------------------------------
+    def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_unused):
+        joint._megatrain_num_fwd_outputs = num_fwd_outputs
+        attempts: list[tuple[TrainingPlan, fx.GraphModule, fx.GraphModule, list]] = []
+        for policy in _policies(self.options):
+            plan = TrainingPlan(policy=policy, budget=self.options.memory_budget)
+            jctx = self._ctx("joint", plan)
+            run_passes(joint, jctx)
+            by_name = {n.name: n for n in joint.graph.nodes}
+            fw, bw = compat.extract_forward_backward(
+                joint, [by_name[n] for n in plan.saved_values], [by_name[n] for n in plan.saved_sym_nodes],
+                num_fwd_outputs,
+            )
+            fctx = self._ctx("forward", plan, num_user_outputs=num_fwd_outputs)
+            run_passes(fw, fctx)
+            bctx = self._ctx("backward", plan)
+            run_passes(bw, bctx)
+            plan.forward = estimate_memory(fw, keep_outputs_alive=True)
+            plan.backward = estimate_memory(bw, keep_outputs_alive=False)
+            attempts.append((plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots))
+            budget = self.options.memory_budget
+            if budget is None or plan.peak_bytes <= budget:
+                if len(attempts) > 1:
+                    plan.reason = (
+                        f"policy '{attempts[0][0].policy}' needs {format_bytes(attempts[0][0].peak_bytes)} > budget "
+                        f"{format_bytes(budget)}; saving only layer inputs and recomputing in backward"
+                    )
+                break
+        else:
+            best = min(attempts, key=lambda a: a[0].peak_bytes)[0]
+            raise BudgetError(
+                f"megatrain: memory_budget={format_bytes(self.options.memory_budget)} is too small for this "
+                f"training step. The smallest plan needs {format_bytes(best.peak_bytes)} "
+                f"({best.peak_bytes} bytes) of device memory, set by layer '{best.limiting_layer}' "
+                f"(policy '{best.policy}'). Raise memory_budget to at least {best.peak_bytes}, or shrink that "
+                f"layer's working set (smaller batch or sequence length).",
+                minimum_budget=best.peak_bytes,
+                limiting_layer=str(best.limiting_layer),
+            )
+        plan, fw, bw, snapshots = attempts[-1]
+        self.record.plan, self.record.forward, self.record.backward = plan, fw, bw
+        self.record.snapshots = snapshots
+        COMPILED.append(self.record)
+        return fw, bw
+
+    def compile_forward(self, gm: fx.GraphModule, example_inputs) -> Any:
+        return self.lower(self._same_or_ours(gm, self.record.forward), start_step=True, record=self.record)
+
+    def compile_backward(self, gm: fx.GraphModule, example_inputs) -> Any:
+        return self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record)
+
+    def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Any:
+        plan = TrainingPlan(policy="inference", budget=self.options.memory_budget)
+        ctx = self._ctx("inference", plan)
+        run_passes(gm, ctx)
+        plan.forward = estimate_memory(gm, keep_outputs_alive=False)
+        budget = self.options.memory_budget
+        if budget is not None and plan.peak_bytes > budget:
+            raise BudgetError(
+                f"megatrain: memory_budget={format_bytes(budget)} is too small for this graph: it needs "
+                f"{format_bytes(plan.peak_bytes)} ({plan.peak_bytes} bytes), set by layer "
+                f"'{plan.limiting_layer}'. Raise memory_budget to at least {plan.peak_bytes}.",
+                minimum_budget=plan.peak_bytes, limiting_layer=str(plan.limiting_layer),
+            )
+        self.record.plan, self.record.forward, self.record.snapshots = plan, gm, ctx.snapshots
+        self.record.label += " (no backward)"
+        COMPILED.append(self.record)
+        # Glue without parameters (``loss.detach()``) belongs to the step around it.
+        starts_step = "param" in self.input_roles
+        return self.lower(gm, start_step=starts_step, record=self.record)
+
+    @staticmethod
+    def _same_or_ours(given: fx.GraphModule, ours: fx.GraphModule | None) -> fx.GraphModule:
+        # AOTAutograd hands back the module the partitioner returned; if a PyTorch version
+        # copies it, the copy has the same nodes and meta.
+        return given if ours is None else given
+
+
+def lower_with(options: Options, device):
+    """A lowering function bound to the options: graph -> StreamingProgram."""
+    from megacompile.runtime.executor import StreamingProgram
+
+    def compile_segment(gm: fx.GraphModule, inputs: list):
+        return compat.inductor_compile(gm, inputs)
+
+    def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph):
+        on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
+        on_finish = (lambda: RECORDER.graph_finished(record)) if start_step or record.plan.policy != "inference" else None
+        return StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish)
+
+    return lower

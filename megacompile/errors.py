@@ -1,0 +1,45 @@
+"""The errors megacompile raises to users.
+
+They derive from Dynamo's pass-through exception base so that an error raised while the
+backend compiles reaches the user as itself (``except megacompile.BudgetError``), not wrapped
+in ``BackendCompilerFailed``.
+"""
+from __future__ import annotations
+
+from . import _torch_compat
+
+_PassThrough = _torch_compat.passthrough_exception_base()
+
+
+class MegacompileError(_PassThrough):
+    def __init__(self, message: str):
+        super().__init__(message, first_useful_frame=None)
+
+
+class OptionsError(MegacompileError, ValueError):
+    """An unknown option or a bad value; the message lists the valid choices."""
+
+
+class BudgetError(MegacompileError, ValueError):
+    """The model cannot be trained under the device memory budget.
+
+    ``minimum_budget`` is the smallest budget the planner could meet and ``limiting_layer``
+    the layer whose working set sets it.
+    """
+
+    def __init__(self, message: str, minimum_budget: int, limiting_layer: str):
+        super().__init__(message)
+        self.minimum_budget = minimum_budget
+        self.limiting_layer = limiting_layer
+
+
+class PlacementError(MegacompileError, ValueError):
+    """Parameters are not where megatrain needs them (it keeps them in host memory)."""
+
+
+class UnsupportedGraph(Exception):
+    """Raised inside the backend when the passes cannot handle a graph.
+
+    Never reaches the user: the backend catches it, warns once with the reason, and falls
+    back to plain compilation of that graph.
+    """

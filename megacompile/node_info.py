@@ -1,0 +1,151 @@
+"""What the passes know about a node, under one documented key: ``node.meta["megatrain"]``.
+
+Every pass reads and writes ``NodeInfo``; nothing else in ``node.meta`` is ours.
+(``node.meta["val"]`` stays the fake tensor PyTorch put there: shapes, dtypes and strides.
+Where a value lives is ``NodeInfo.placement``, because the fake tensors of a captured graph
+all claim the device the user's model is on, the host.)
+
+Fields
+- ``layer``: the repeated block the node belongs to (``layers.3``), the module path for
+  non-repeated modules (``lm_head``), or None for glue code outside any module.
+- ``role``: param | input | tangent | saved | compute | memory | output.
+- ``phase``: forward | backward | recompute (a forward op replayed in backward).
+- ``placement``: host | device.
+- ``nbytes``: bytes of the tensor(s) the node produces (int, or a sympy expression when
+  shapes are symbolic); 0 for views and non-tensors.
+- ``source``: for inputs, the user's name (``layers.3.mlp.up.weight``, ``x``).
+- ``created_by``: the pass that inserted the node (``capture`` for nodes from the trace).
+- ``decision`` / ``reason``: the plan's decision for this value and why (save / recompute /
+  stream / resident), shown by ``megacompile inspect``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+META_KEY = "megatrain"
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    layer: str | None = None
+    role: str = "compute"
+    phase: str = "forward"
+    placement: str = "device"
+    nbytes: Any = 0
+    source: str | None = None
+    created_by: str = "capture"
+    decision: str | None = None
+    reason: str | None = None
+
+
+def info(node: fx.Node) -> NodeInfo:
+    """The node's NodeInfo, created empty on first access."""
+    found = node.meta.get(META_KEY)
+    if found is None:
+        found = NodeInfo()
+        node.meta[META_KEY] = found
+    return found
+
+
+def has_info(node: fx.Node) -> bool:
+    return META_KEY in node.meta
+
+
+# --- sizes ------------------------------------------------------------------------------
+def _to_expr(x: Any) -> Any:
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return int(x)
+
+
+def tensor_nbytes(val: Any) -> Any:
+    """Bytes of a (fake) tensor or a tuple of them; sympy where shapes are symbolic."""
+    if isinstance(val, torch.Tensor):
+        return _to_expr(val.numel()) * val.element_size()
+    if isinstance(val, (tuple, list)):
+        total: Any = 0
+        for v in val:
+            total = total + tensor_nbytes(v)
+        return total
+    return 0
+
+
+def size_hint(nbytes: Any) -> int:
+    """A concrete byte count for comparisons: symbolic sizes use the traced example's size."""
+    if isinstance(nbytes, int):
+        return nbytes
+    if isinstance(nbytes, sympy.Expr):
+        if nbytes.is_number:
+            return int(nbytes)
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: F401
+
+        # Symbols carry no hint here; callers that need one substitute the traced sizes.
+        raise ValueError(f"symbolic size {nbytes} has no concrete hint")
+    return int(nbytes)
+
+
+def is_tensor_node(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def is_view_node(node: fx.Node) -> bool:
+    """Ops whose output aliases an input's storage (views), so they allocate nothing."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+
+
+# --- names ------------------------------------------------------------------------------
+_ROOT = re.compile(r"^[LG]\['[^']*'\]")
+_MODULE_TOKENS = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
+
+
+def normalize_module_path(path: str) -> str:
+    """``G['model'].layers.0.fc`` / ``L['self'].layers[0]`` -> ``layers.0.fc``."""
+    path = _ROOT.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.strip(".")
+
+
+def source_to_name(source: str) -> str:
+    """A Dynamo input source -> the user's name for it.
+
+    ``G['model']._modules['layers']._modules['0']._parameters['weight']`` -> ``layers.0.weight``;
+    ``L['x']`` -> ``x``.
+    """
+    tokens = _MODULE_TOKENS.findall(source)
+    if tokens:
+        return ".".join(tokens)
+    m = re.fullmatch(r"[LG]\['([^']+)'\](.*)", source)
+    if m:
+        rest = normalize_module_path(m.group(2))
+        return f"{m.group(1)}.{rest}" if rest else m.group(1)
+    return re.sub(r"[^0-9A-Za-z_.]", "_", source)
+
+
+def layer_of_module_path(path: str) -> str | None:
+    """The repeated block a module path belongs to.
+
+    The prefix through the first numeric component (``model.layers.3`` for
+    ``model.layers.3.mlp.up``); for modules outside a ModuleList, the module's own path.
+    """
+    if not path:
+        return None
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return path
+
+
+def identifier(name: str) -> str:
+    """A readable identifier from a dotted name: ``layers.3.mlp.up.weight`` -> ``layers_3_mlp_up_weight``."""
+    return re.sub(r"[^0-9A-Za-z_]", "_", name)

@@ -1,0 +1,127 @@
+"""The backend's options, validated in one place.
+
+``torch.compile(step, backend="megatrain", options={...})`` passes the dict here. An unknown
+key or a bad value raises ``OptionsError`` (a ``ValueError``) naming the valid choices, before
+any graph is touched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+import torch
+
+from .errors import OptionsError
+
+DEVICES = ("cuda", "cpu")
+PRECISIONS = ("fp32",)
+LOWERINGS = ("inductor", "eager")
+RECOMPUTE_POLICIES = ("auto", "always", "never")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str, what: str = "memory_budget") -> int:
+    """``4096``, ``"512MiB"``, ``"1.5 GB"`` -> bytes."""
+    if isinstance(value, bool):
+        raise OptionsError(f"{what} must be an int number of bytes or a string like '8GiB', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise OptionsError(f"{what} must be positive, got {value}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if n > 0:
+                return n
+        raise OptionsError(
+            f"{what}={value!r} is not a size; use an int number of bytes or a string like "
+            f"'512MiB', '8GiB' or '1.5GB' (units: {', '.join(u for u in _UNITS if u)})"
+        )
+    raise OptionsError(f"{what} must be an int number of bytes or a string like '8GiB', got {type(value).__name__}")
+
+
+def format_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    device: str = "cuda"
+    memory_budget: int | None = None  # bytes; None: the whole device
+    precision: str = "fp32"
+    lowering: str = "inductor"
+    # How many layers ahead parameters are loaded (1 = double buffering).
+    prefetch_depth: int = 1
+    # "auto": recompute only when saved activations would not fit the budget.
+    recompute: str = "auto"
+    # Pass names to switch off, for bisecting (see megacompile.passes.PASS_ORDER).
+    disable_passes: tuple[str, ...] = ()
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise OptionsError(f"option {key}={value!r} is not valid; choose one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def parse_options(raw: Mapping[str, Any] | None) -> Options:
+    from .passes import known_pass_names
+
+    raw = dict(raw or {})
+    valid = [f.name for f in dataclasses.fields(Options)]
+    unknown = sorted(set(raw) - set(valid))
+    if unknown:
+        raise OptionsError(
+            f"unknown megatrain option(s) {', '.join(map(repr, unknown))}; valid options are: {', '.join(valid)}"
+        )
+    kw: dict[str, Any] = {}
+    if "device" in raw:
+        kw["device"] = _choice("device", raw["device"], DEVICES)
+    elif not torch.cuda.is_available():
+        kw["device"] = "cpu"
+    if kw.get("device", "cuda") == "cuda" and not torch.cuda.is_available():
+        raise OptionsError(
+            "option device='cuda' but no CUDA device is available here; use device='cpu' "
+            "(the CPU stand-in runs the same streaming schedule with an accounted device arena)"
+        )
+    if raw.get("memory_budget") is not None:
+        kw["memory_budget"] = parse_bytes(raw["memory_budget"])
+    if "precision" in raw:
+        kw["precision"] = _choice("precision", raw["precision"], PRECISIONS)
+    if "lowering" in raw:
+        kw["lowering"] = _choice("lowering", raw["lowering"], LOWERINGS)
+    if "prefetch_depth" in raw:
+        depth = raw["prefetch_depth"]
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise OptionsError(f"option prefetch_depth={depth!r} must be an int >= 0 (1 = double buffering)")
+        kw["prefetch_depth"] = depth
+    if "recompute" in raw:
+        kw["recompute"] = _choice("recompute", raw["recompute"], RECOMPUTE_POLICIES)
+    if "disable_passes" in raw:
+        names = raw["disable_passes"]
+        if isinstance(names, str):
+            names = [names]
+        known = known_pass_names()
+        bad = [n for n in names if n not in known]
+        if bad:
+            raise OptionsError(f"disable_passes names unknown pass(es) {bad}; passes are: {', '.join(known)}")
+        kw["disable_passes"] = tuple(names)
+    return Options(**kw)

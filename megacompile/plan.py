@@ -1,0 +1,123 @@
+"""The training plan and the static memory estimate of a rewritten program.
+
+The estimate walks a rewritten graph in execution order: a device value is live from the op
+that produces it (or, for the backward, from the start: the saved activations) to its last
+use, where views keep their base alive and values the forward hands to the backward live to
+the end of the forward. The peak is the most bytes live at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import ops
+from .node_info import has_info, info, is_view_node, size_hint
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    peak_bytes: int = 0
+    peak_node: str | None = None
+    peak_layer: str | None = None
+    # Bytes live when the graph starts (saved activations for the backward).
+    start_bytes: int = 0
+    # Bytes still live when it ends (saved activations the forward hands on).
+    end_bytes: int = 0
+    # Peak bytes live while each layer's ops run.
+    per_layer_peak: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class TrainingPlan:
+    policy: str = "keep"  # keep | recompute
+    budget: int | None = None
+    saved_values: list[str] = dataclasses.field(default_factory=list)
+    saved_sym_nodes: list[str] = dataclasses.field(default_factory=list)
+    recomputed_ops: list[str] = dataclasses.field(default_factory=list)
+    forward: MemoryEstimate | None = None
+    backward: MemoryEstimate | None = None
+    reason: str = ""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((e.peak_bytes for e in (self.forward, self.backward) if e is not None), default=0)
+
+    @property
+    def limiting_layer(self) -> str | None:
+        ests = [e for e in (self.forward, self.backward) if e is not None]
+        if not ests:
+            return None
+        return max(ests, key=lambda e: e.peak_bytes).peak_layer
+
+
+def _root(node: fx.Node, memo: dict) -> fx.Node:
+    if node in memo:
+        return memo[node]
+    root = node
+    if node.op == "call_function" and is_view_node(node):
+        tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if tensors:
+            root = _root(tensors[0], memo)
+    memo[node] = root
+    return root
+
+
+def _owned_bytes(node: fx.Node) -> int:
+    if not has_info(node) or info(node).placement != "device":
+        return 0
+    if node.op == "call_function" and node.target in (ops.wait, ops.evict):
+        return 0
+    return size_hint(info(node).nbytes)
+
+
+def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool) -> MemoryEstimate:
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+    memo: dict = {}
+    birth: dict[fx.Node, int] = {}
+    death: dict[fx.Node, int] = {}
+    output = nodes[-1]
+    for node in nodes:
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        root = _root(node, memo)
+        if _owned_bytes(root) == 0:
+            continue
+        birth.setdefault(root, 0 if root.op == "placeholder" else position[root])
+        last = position[node]
+        for user in node.users:
+            if user is output:
+                last = end if keep_outputs_alive else position[user]
+            else:
+                last = max(last, position[user])
+        death[root] = max(death.get(root, 0), last)
+
+    delta = [0] * (end + 2)
+    start_bytes = end_bytes = 0
+    for root, b in birth.items():
+        size = _owned_bytes(root)
+        delta[b] += size
+        delta[death[root] + 1] -= size
+        if b == 0 and root.op == "placeholder":
+            start_bytes += size
+        if death[root] >= end:
+            end_bytes += size
+    est = MemoryEstimate(start_bytes=start_bytes, end_bytes=end_bytes)
+    live = 0
+    current_layer = None
+    for i in range(end + 1):
+        live += delta[i]
+        node = nodes[i] if i < end else None
+        if node is not None and has_info(node) and info(node).layer:
+            current_layer = info(node).layer
+        if current_layer is not None:
+            est.per_layer_peak[current_layer] = max(est.per_layer_peak.get(current_layer, 0), live)
+        if live > est.peak_bytes:
+            est.peak_bytes = live
+            est.peak_node = node.name if node is not None else "<end>"
+            est.peak_layer = current_layer
+    return est

@@ -1,0 +1,113 @@
+"""What the last step planned and did: ``megacompile.last_report()``.
+
+A step starts when a compiled forward (or inference) program starts and runs through the
+backward and the optimizer graph that follow, until the next forward starts. The recorder
+resets the device's transfer counters and peak tracker at that point.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from .options import format_bytes
+
+
+@dataclasses.dataclass
+class LayerRow:
+    layer: str
+    param_bytes: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    saved_activation_bytes: int = 0
+    recomputed_ops: int = 0
+    planned_forward_peak: int = 0
+    planned_backward_peak: int = 0
+
+
+@dataclasses.dataclass
+class StepReport:
+    device: str
+    lowering: str
+    memory_budget: int | None
+    policy: str
+    planned_peak_device_bytes: int
+    measured_peak_device_bytes: int | None
+    h2d_bytes: int
+    d2h_bytes: int
+    recomputed_ops: list[str]
+    layers: list[LayerRow]
+    graphs: list[str]
+    host_graphs: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        lines = [
+            f"megatrain step report ({self.device}, lowering={self.lowering}, policy={self.policy})",
+            f"  memory budget        {format_bytes(self.memory_budget) if self.memory_budget else 'none'}",
+            f"  planned peak device  {format_bytes(self.planned_peak_device_bytes)}",
+            f"  measured peak device {format_bytes(self.measured_peak_device_bytes) if self.measured_peak_device_bytes is not None else 'not measured'}",
+            f"  host -> device       {format_bytes(self.h2d_bytes)}",
+            f"  device -> host       {format_bytes(self.d2h_bytes)}",
+            f"  recomputed ops       {len(self.recomputed_ops)}",
+            f"  graphs               {', '.join(self.graphs + self.host_graphs)}",
+        ]
+        header = f"  {'layer':<28}{'params':>12}{'h2d':>12}{'d2h':>12}{'saved act':>12}{'recomp':>8}{'fwd peak':>12}{'bwd peak':>12}"
+        lines.append(header)
+        for r in self.layers:
+            lines.append(
+                f"  {r.layer[:27]:<28}{format_bytes(r.param_bytes):>12}{format_bytes(r.h2d_bytes):>12}"
+                f"{format_bytes(r.d2h_bytes):>12}{format_bytes(r.saved_activation_bytes):>12}{r.recomputed_ops:>8}"
+                f"{format_bytes(r.planned_forward_peak):>12}{format_bytes(r.planned_backward_peak):>12}"
+            )
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+class StepRecorder:
+    """Collects one step's plan and measurements across the graphs that make up the step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: dict[str, Any] | None = None
+        self._last: StepReport | None = None
+
+    def forward_started(self, compiled, device) -> None:
+        with self._lock:
+            device.synchronize()
+            device.reset_stats()
+            device.tracker.reset_peak()
+            self._current = {"compiled": compiled, "device": device, "host_graphs": [], "measured": True}
+            self._update()
+
+    def graph_finished(self, compiled=None) -> None:
+        with self._lock:
+            if self._current is not None:
+                self._update()
+
+    def host_graph_ran(self, label: str) -> None:
+        with self._lock:
+            if self._current is not None and label not in self._current["host_graphs"]:
+                self._current["host_graphs"].append(label)
+                self._update()
+
+    def _update(self) -> None:
+        cur = self._current
+        compiled, device = cur["compiled"], cur["device"]
+        device.synchronize()
+        measured = device.tracker.peak_since_reset() if compiled.measures_peak else None
+        self._last = compiled.make_report(device, measured, list(cur["host_graphs"]))
+
+    def last(self) -> StepReport | None:
+        return self._last
+
+
+RECORDER = StepRecorder()
+
+
+def last_report() -> StepReport | None:
+    """What the last step planned and did (None before any megatrain step ran)."""
+    return RECORDER.last()

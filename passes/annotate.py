@@ -1,0 +1,90 @@
+"""annotate: tag every node with its layer, role, phase, placement and bytes.
+
+Layers come from ``nn_module_stack`` (forward ops) and ``fwd_nn_module_stack`` (backward ops,
+which AOTAutograd copies from the forward op they differentiate); parameters get the layer
+of the module that owns them. All later passes and the planner read these tags.
+
+Runs on every stage, because partitioning copies nodes into new graphs: the copies get their
+own NodeInfo (the joint graph's must not change when a forward pass rewrites its copy).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from megacompile import _torch_compat as compat
+from megacompile.node_info import (
+    META_KEY,
+    NodeInfo,
+    is_view_node,
+    layer_of_module_path,
+    normalize_module_path,
+    tensor_nbytes,
+)
+from megacompile.ops import is_memory_op
+
+NAME = "annotate"
+STAGES = ("joint", "forward", "backward", "inference")
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path, _type = list(stack.values())[-1]
+    return normalize_module_path(path)
+
+
+def _param_layer(name: str) -> str | None:
+    module_path = name.rsplit(".", 1)[0] if "." in name else ""
+    return layer_of_module_path(module_path) if module_path else None
+
+
+def run(gm: fx.GraphModule, ctx) -> None:
+    tangent_index = 0
+    for node in gm.graph.nodes:
+        # Partitioning may share one meta dict between a joint node and its copies.
+        node.meta = dict(node.meta)
+        old = node.meta.get(META_KEY)
+        ni = dataclasses.replace(old) if old is not None else NodeInfo()
+        node.meta[META_KEY] = ni
+        if ctx.stage == "joint":
+            ni.decision = ni.reason = None  # a fresh plan decides again
+        if node.op == "placeholder":
+            if compat.is_primal(node):
+                index = int(node.target.split("_")[-1]) - 1
+                ni.source = ctx.input_names[index]
+                ni.role = ctx.input_roles[index]
+                ni.layer = _param_layer(ni.source) if ni.role == "param" else None
+                ni.placement = "host"
+                ni.phase = "forward"
+            elif compat.is_tangent(node):
+                ni.source = f"grad_output_{tangent_index}"
+                tangent_index += 1
+                ni.role = "tangent"
+                ni.placement = "host"
+                ni.phase = "backward"
+            else:
+                # A value the forward saved for the backward (its NodeInfo was copied from
+                # the forward node). Saved values are device activations.
+                ni.role = "saved"
+                ni.placement = "device"
+            ni.nbytes = tensor_nbytes(node.meta.get("val"))
+        elif node.op == "call_function" and not is_memory_op(node):
+            ni.layer = layer_of_module_path(_module_path(node))
+            ni.role = "compute"
+            ni.placement = "device"
+            if ctx.stage == "backward" and compat.is_forward_tagged(node):
+                ni.phase = "recompute"
+            elif compat.is_backward_tagged(node):
+                ni.phase = "backward"
+            elif ctx.stage != "backward":
+                ni.phase = "forward"
+            else:
+                ni.phase = "backward"
+            val = node.meta.get("val")
+            # Views and tuple-producing ops own no bytes: the base / the getitems do.
+            ni.nbytes = 0 if is_view_node(node) or isinstance(val, (tuple, list)) else tensor_nbytes(val)
+        elif node.op == "output":
+            ni.role = "output"

@@ -1,0 +1,78 @@
+"""The graph invariants the passes keep, checked after every pass.
+
+1. Every node a pass sees carries NodeInfo (``annotate`` ran first).
+2. After ``stream_parameters``: no compute op reads a host value; every ``load`` has one
+   ``wait`` before all its compute uses and one ``evict`` after all of them, and nothing
+   reads a loaded value after its evict.
+3. After ``offload_gradients``: every tensor the graph returns to the host side (user
+   outputs, gradients) is host-resident.
+4. Forward: nothing device-resident crosses from forward to backward unless the plan saved
+   it (``plan.saved_values``); a loaded parameter copy never crosses.
+A violation raises ``InvariantViolation`` naming the pass that broke it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from megacompile import ops
+from megacompile.node_info import has_info, info
+
+
+class InvariantViolation(AssertionError):
+    pass
+
+
+def _fail(ctx, message: str) -> None:
+    last = ctx.ran[-1] if ctx.ran else "capture"
+    raise InvariantViolation(f"{ctx.stage} graph after pass '{last}': {message}")
+
+
+def check(gm: fx.GraphModule, ctx) -> None:
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:
+        if node.op in ("placeholder", "call_function") and not has_info(node):
+            _fail(ctx, f"node {node.name} has no NodeInfo")
+    if ctx.stage == "joint":
+        return
+
+    if "stream_parameters" in ctx.ran:
+        for node in nodes:
+            if node.op != "call_function":
+                continue
+            if not ops.is_memory_op(node):
+                for inp in node.all_input_nodes:
+                    if info(inp).placement == "host":
+                        _fail(ctx, f"compute op {node.name} reads host value {inp.name} without a load")
+            if node.target is ops.load:
+                waits = [u for u in node.users if u.target is ops.wait]
+                evicts = [u for u in node.users if u.target is ops.evict]
+                uses = [u for u in node.users if not ops.is_memory_op(u) and u.op != "output"]
+                if len(waits) != 1 or len(evicts) != 1:
+                    _fail(ctx, f"{node.name} needs exactly one wait and one evict, has {len(waits)} and {len(evicts)}")
+                if any(position[u] < position[waits[0]] for u in uses):
+                    _fail(ctx, f"{node.name} is used before its wait")
+                if any(position[u] > position[evicts[0]] for u in uses):
+                    _fail(ctx, f"{node.name} is used after its evict")
+                if not uses:
+                    _fail(ctx, f"{node.name} is loaded but never used")
+
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    outs = list(output.args[0])
+    user_outs = outs if ctx.stage != "forward" else outs[: ctx.num_user_outputs]
+    if "offload_gradients" in ctx.ran:
+        for i, value in enumerate(user_outs):
+            if isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
+                if info(value).placement != "host":
+                    _fail(ctx, f"output {i} ({value.name}) is returned while still on the device")
+
+    if ctx.stage == "forward":
+        planned = set(ctx.plan.saved_values)
+        for value in outs[ctx.num_user_outputs:]:
+            if not isinstance(value, fx.Node) or info(value).placement != "device":
+                continue
+            if value.target is ops.load:
+                _fail(ctx, f"loaded parameter copy {value.name} crosses from forward to backward")
+            if value.name not in planned:
+                _fail(ctx, f"device value {value.name} crosses from forward to backward but the plan did not save it")

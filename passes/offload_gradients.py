@@ -1,0 +1,79 @@
+"""offload_gradients: every value the graph hands back to the host leaves the device early.
+
+Backward: each gradient is copied to the host right after the op that produces it
+(``offload``), its device copy is evicted after its last use, and the host copies are waited
+for just before the graph returns. AOTAutograd then accumulates the host gradient into
+``param.grad`` (so gradient accumulation over micro-batches works as in eager).
+
+Forward / inference: the values returned to the user (the loss, outputs) are offloaded the
+same way. Values the forward saves for the backward stay on the device: that residency is
+what the plan decided (``plan.saved_values``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from megacompile import ops
+from megacompile.node_info import NodeInfo, identifier, info, tensor_nbytes
+
+NAME = "offload_gradients"
+STAGES = ("forward", "backward", "inference")
+
+
+def _output_label(ctx, index: int) -> str:
+    if ctx.stage == "backward":
+        source = ctx.input_names[index] if index < len(ctx.input_names) else f"input_{index}"
+        return f"grad.{source}"
+    return f"output_{index}"
+
+
+def run(gm: fx.GraphModule, ctx) -> None:
+    graph = gm.graph
+    output = next(iter(graph.find_nodes(op="output")))
+    outs = list(output.args[0])
+    limit = len(outs) if ctx.stage != "forward" else ctx.num_user_outputs
+    offloaded: dict[fx.Node, fx.Node] = {}
+    for index in range(limit):
+        value = outs[index]
+        if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+            continue
+        if info(value).placement != "device":
+            continue
+        if value in offloaded:
+            outs[index] = offloaded[value]
+            continue
+        label = _output_label(ctx, index)
+        name = identifier(label)
+        with graph.inserting_after(value):
+            host = graph.create_node("call_function", ops.offload, (value, label), name=f"offload__{name}")
+        host.meta["val"] = value.meta["val"]
+        host.meta["megatrain"] = NodeInfo(
+            layer=info(value).layer, role="memory", phase=info(value).phase, placement="host",
+            nbytes=tensor_nbytes(value.meta["val"]), source=label, decision="offload",
+            reason="gradient leaves the device as soon as it is produced" if ctx.stage == "backward"
+            else "returned to the user on the host",
+        )
+        # The device copy dies after its last use (the offload itself, unless the forward
+        # also saves it for the backward).
+        users = [u for u in value.users if u is not output and u is not host]
+        keeps_on_device = ctx.stage == "forward" and value in outs[ctx.num_user_outputs:]
+        if not keeps_on_device:
+            order = _order(graph)
+            last = max(users + [host], key=order.__getitem__)
+            with graph.inserting_after(last):
+                evict = graph.create_node("call_function", ops.evict, (value,), name=f"evict__{name}")
+            evict.meta["megatrain"] = NodeInfo(layer=info(value).layer, role="memory", phase=info(value).phase,
+                                               placement="device", source=label)
+        offloaded[value] = host
+        outs[index] = host
+    with graph.inserting_before(output):
+        for host in offloaded.values():
+            wait = graph.create_node("call_function", ops.wait, (host,), name=f"wait__{host.name}")
+            wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role="memory", phase=info(host).phase,
+                                              placement="host", source=info(host).source)
+    output.args = (tuple(outs),) if isinstance(output.args[0], tuple) else (outs,)
+
+
+def _order(graph: fx.Graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}

@@ -1,0 +1,196 @@
+"""recompute: choose what the forward saves for the backward, and replay the rest.
+
+Joint stage: under the plan's policy, decide for every forward value the backward needs
+whether it is saved (a device activation that lives from forward to backward) or recomputed
+in the backward, and record the decision and its reason in NodeInfo. The partitioner then
+splits the joint graph with exactly these saved values.
+
+- ``keep``: save every activation the backward reads.
+- ``recompute``: save only the values that cross a layer boundary (each layer's inputs), so a
+  layer's internals are replayed in backward from its input.
+In both, views of host inputs (``t(weight)``) are never saved: the backward re-derives them
+from the host tensor, so no parameter copy stays on the device from forward to backward.
+Random ops are always saved (replaying them would draw new numbers).
+
+Backward stage: the partitioner copies recomputed forward ops to the front of the backward
+graph, which would replay every layer at once. This pass sinks each recomputed op to just
+before its first use, so a layer is replayed right before its backward runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from megacompile import _torch_compat as compat
+from megacompile.node_info import info, is_view_node
+
+NAME = "recompute"
+STAGES = ("joint", "backward")
+
+
+def forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
+    """Nodes of the joint graph that belong to the forward, in order."""
+    last = None
+    for node in joint.graph.nodes:
+        if compat.is_forward_tagged(node) or compat.is_primal(node):
+            last = node
+    result = []
+    for node in joint.graph.nodes:
+        if node.op == "output":
+            break
+        if not compat.is_tangent(node):
+            result.append(node)
+        if node is last:
+            break
+    return result
+
+
+def _num_forward_outputs(joint: fx.GraphModule, fwd_set: set) -> int:
+    output = next(iter(joint.graph.find_nodes(op="output")))
+    outs = list(output.args[0])
+    return getattr(joint, "_megatrain_num_fwd_outputs", len(outs))
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _host_view_roots(node: fx.Node, memo: dict) -> list[fx.Node] | None:
+    """The primals a node is a pure view of (None if it computes anything)."""
+    if node in memo:
+        return memo[node]
+    if compat.is_primal(node):
+        result = [node]
+    elif is_view_node(node) and node.all_input_nodes:
+        roots: list[fx.Node] = []
+        for inp in node.all_input_nodes:
+            r = _host_view_roots(inp, memo)
+            if r is None:
+                roots = None
+                break
+            roots.extend(r)
+        result = roots
+    else:
+        result = None
+    memo[node] = result
+    return result
+
+
+def _mark(node: fx.Node, decision: str, reason: str) -> None:
+    ni = info(node)
+    ni.decision, ni.reason = decision, reason
+
+
+def choose_saved(joint: fx.GraphModule, policy: str) -> tuple[list[fx.Node], list[fx.Node]]:
+    fwd = forward_nodes(joint)
+    fwd_set = set(fwd)
+    in_backward = lambda n: n not in fwd_set and n.op != "output"  # noqa: E731
+    output = next(iter(joint.graph.find_nodes(op="output")))
+
+    # Forward values the backward reads directly (or returns directly as a gradient).
+    needed: list[fx.Node] = []
+    for node in fwd:
+        if any(in_backward(u) for u in node.users):
+            needed.append(node)
+    # A gradient can be a forward value itself (rare, e.g. an identity); the backward needs it.
+    for out in list(output.args[0])[_num_forward_outputs(joint, fwd_set):]:
+        if isinstance(out, fx.Node) and out in fwd_set and out not in needed:
+            needed.append(out)
+    saved_sym: list[fx.Node] = [n for n in needed if compat.is_sym_node(n)]
+    needed = [n for n in needed if not compat.is_sym_node(n)]
+
+    view_memo: dict = {}
+    saved: dict[fx.Node, None] = {}
+
+    def save(n: fx.Node, reason: str) -> None:
+        if n not in saved:
+            saved[n] = None
+            _mark(n, "save", reason)
+
+    def layer(n: fx.Node) -> str | None:
+        return info(n).layer
+
+    def crosses_layer(n: fx.Node) -> bool:
+        return any(u in fwd_set and u.op != "output" and layer(u) != layer(n) for u in n.users)
+
+    worklist = list(needed)
+    visited: set[fx.Node] = set()
+    while worklist:
+        n = worklist.pop()
+        if n in visited:
+            continue
+        visited.add(n)
+        roots = _host_view_roots(n, view_memo)
+        if roots is not None:
+            for r in roots:
+                save(r, "host tensor: the backward loads it again")
+            if n not in roots:
+                _mark(n, "recompute", "view of a host tensor, free to re-derive")
+            continue
+        if n.op == "placeholder" or _is_random(n) or policy == "keep":
+            reason = "random op: replay would differ" if _is_random(n) else "policy keep"
+            save(n, reason)
+            continue
+        if crosses_layer(n) or not n.all_input_nodes:
+            save(n, "layer boundary: the backward replays the layer from it")
+            continue
+        _mark(n, "recompute", "inside a layer: replayed from the layer's input")
+        worklist.extend(i for i in n.all_input_nodes if i in fwd_set)
+    return list(saved), saved_sym
+
+
+def _sink_recomputed(gm: fx.GraphModule) -> None:
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    recomputed = {n for n in nodes if n.op == "call_function" and info(n).phase == "recompute"}
+    order: list[fx.Node] = []
+    emitted: set[fx.Node] = set()
+
+    def emit(n: fx.Node) -> None:
+        stack = [(n, False)]
+        while stack:
+            cur, expanded = stack.pop()
+            if cur in emitted:
+                continue
+            if expanded:
+                emitted.add(cur)
+                order.append(cur)
+                continue
+            stack.append((cur, True))
+            for inp in reversed(cur.all_input_nodes):
+                if inp not in emitted:
+                    stack.append((inp, False))
+
+    for n in nodes:
+        if n.op == "placeholder":
+            emit(n)
+    for n in nodes:
+        if n not in recomputed:
+            emit(n)
+    # Recomputed ops nobody needs are dead; leave them for DCE at the end.
+    anchor = None
+    for n in order:
+        if n.op == "placeholder":
+            anchor = n
+            continue
+        if anchor is None:
+            first = next(iter(graph.nodes))
+            if first is not n:
+                first.prepend(n)
+        else:
+            anchor.append(n)
+        anchor = n
+    graph.eliminate_dead_code()
+
+
+def run(gm: fx.GraphModule, ctx) -> None:
+    if ctx.stage == "joint":
+        saved, saved_sym = choose_saved(gm, ctx.plan.policy)
+        ctx.plan.saved_values = [n.name for n in saved]
+        ctx.plan.saved_sym_nodes = [n.name for n in saved_sym]
+    else:
+        _sink_recomputed(gm)
+        ctx.plan.recomputed_ops = [
+            n.name for n in gm.graph.nodes if n.op == "call_function" and info(n).phase == "recompute"
+        ]

@@ -1,0 +1,93 @@
+"""stream_parameters: host-resident tensors reach compute only through explicit loads.
+
+For every host value a compute op reads (parameters, user inputs, incoming gradients, and in
+the backward the parameters again) this pass inserts
+
+    load  (host -> device copy, issued ``prefetch_depth`` layers before the first use, so the
+           copy of layer k+1 overlaps the compute of layer k: double buffering at depth 1)
+    wait  (right before the first use: the compute lane blocks until the copy has landed)
+    evict (right after the last use: the device copy is dead and its slot is reused)
+
+and rewrites the uses to read the device copy. The backward loads parameters again; nothing
+loaded in the forward is still alive when the forward ends.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from megacompile import ops
+from megacompile.node_info import NodeInfo, identifier, info, tensor_nbytes
+
+NAME = "stream_parameters"
+STAGES = ("forward", "backward", "inference")
+
+
+def _layer_runs(compute: list[fx.Node]) -> list[tuple[str | None, int]]:
+    """Contiguous runs of compute ops of one layer: (layer, index of its first op).
+
+    Glue ops (no layer) do not start a run; they belong to the run around them.
+    """
+    runs: list[tuple[str | None, int]] = []
+    current = object()
+    for i, node in enumerate(compute):
+        layer = info(node).layer
+        if layer is None:
+            continue
+        if layer != current:
+            runs.append((layer, i))
+            current = layer
+    return runs
+
+
+def run(gm: fx.GraphModule, ctx) -> None:
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n)]
+    position = {n: i for i, n in enumerate(compute)}
+    runs = _layer_runs(compute)
+    run_starts = [start for _, start in runs]
+    depth = ctx.options.prefetch_depth
+
+    def run_index(pos: int) -> int:
+        # The run containing compute op ``pos`` (the last run starting at or before it).
+        idx = 0
+        for k, start in enumerate(run_starts):
+            if start <= pos:
+                idx = k
+            else:
+                break
+        return idx
+
+    host_values = [
+        n for n in nodes
+        if n.op == "placeholder" and info(n).placement == "host" and any(u in position for u in n.users)
+    ]
+    for host in host_values:
+        users = sorted((u for u in host.users if u in position), key=position.__getitem__)
+        first, last = users[0], users[-1]
+        name = identifier(info(host).source or host.name)
+        if run_starts:
+            issue_at = compute[run_starts[max(0, run_index(position[first]) - depth)]]
+            if position[issue_at] > position[first]:
+                issue_at = first
+        else:
+            issue_at = first
+        with graph.inserting_before(issue_at):
+            load = graph.create_node("call_function", ops.load, (host, info(host).source or host.name),
+                                     name=f"load__{name}")
+        load.meta["val"] = host.meta.get("val")
+        load.meta["megatrain"] = NodeInfo(
+            layer=info(host).layer, role="memory", phase=info(first).phase, placement="device",
+            nbytes=tensor_nbytes(host.meta.get("val")), source=info(host).source,
+            decision="stream", reason=f"prefetched {depth} layer(s) ahead" if depth else "loaded at first use",
+        )
+        with graph.inserting_before(first):
+            wait = graph.create_node("call_function", ops.wait, (load,), name=f"wait__{name}")
+        wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role="memory", phase=info(first).phase,
+                                          placement="device", source=info(host).source)
+        for user in users:
+            user.replace_input_with(host, load)
+        with graph.inserting_after(last):
+            evict = graph.create_node("call_function", ops.evict, (load,), name=f"evict__{name}")
+        evict.meta["megatrain"] = NodeInfo(layer=info(host).layer, role="memory", phase=info(last).phase,
+                                           placement="device", source=info(host).source)

@@ -1,0 +1,1 @@
+"""The streaming runtime: devices, the memory tracker, and the program executor."""

@@ -1,0 +1,183 @@
+"""The device abstraction the executor streams through.
+
+Two implementations of one interface:
+
+- ``CudaDevice``: a copy stream each way beside the compute stream, CUDA events to order
+  them, pinned host memory so copies are truly asynchronous, and the caching allocator as
+  the slot pool (``record_stream`` keeps a slot from being reused while a copy or kernel
+  still reads it). Double buffering falls out of the schedule: the passes issue layer k+1's
+  loads before layer k computes.
+- ``CpuStandInDevice``: runs the same schedule on a machine without a GPU. "Device" tensors
+  are separate copies in host RAM, accounted by an ``ArenaTracker``, so every load, evict and
+  offload really happens and the device-side peak is measured.
+
+Both count the bytes moved each way, per layer.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from torch.utils.weak import WeakIdKeyDictionary
+
+import torch
+
+from .tracker import ArenaTracker, CudaTracker
+
+
+@dataclasses.dataclass
+class TransferStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_by_layer: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
+    d2h_by_layer: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(int))
+
+    def add(self, direction: str, layer: str | None, nbytes: int) -> None:
+        key = layer or "(glue)"
+        if direction == "h2d":
+            self.h2d_bytes += nbytes
+            self.h2d_by_layer[key] += nbytes
+        else:
+            self.d2h_bytes += nbytes
+            self.d2h_by_layer[key] += nbytes
+
+
+class StreamingDevice:
+    kind = "abstract"
+
+    def __init__(self) -> None:
+        self.stats = TransferStats()
+
+    def reset_stats(self) -> None:
+        self.stats = TransferStats()
+
+    # The executor calls these for the memory ops.
+    def load(self, host: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def offload(self, device_tensor: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def wait(self, t: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def evict(self, t: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def track(self, value) -> None:
+        """Account device-side tensors the compute produced (no-op where the allocator knows)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CpuStandInDevice(StreamingDevice):
+    kind = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tracker = ArenaTracker()
+        self.torch_device = torch.device("cpu")
+
+    def load(self, host, name, layer):
+        dev = host.clone(memory_format=torch.preserve_format)
+        self.tracker.track(dev)
+        self.stats.add("h2d", layer, host.numel() * host.element_size())
+        return dev
+
+    def offload(self, device_tensor, name, layer):
+        host = device_tensor.clone(memory_format=torch.preserve_format)
+        self.stats.add("d2h", layer, device_tensor.numel() * device_tensor.element_size())
+        return host
+
+    def wait(self, t):
+        return None  # copies on the stand-in are synchronous
+
+    def evict(self, t):
+        return None  # the executor drops its reference; the tracker sees the free
+
+    def track(self, value):
+        if isinstance(value, torch.Tensor):
+            self.tracker.track(value)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                self.track(v)
+
+
+class CudaDevice(StreamingDevice):
+    kind = "cuda"
+
+    def __init__(self, index: int | None = None) -> None:
+        super().__init__()
+        self.torch_device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        self.tracker = CudaTracker(self.torch_device)
+        self.h2d_stream = torch.cuda.Stream(self.torch_device)
+        self.d2h_stream = torch.cuda.Stream(self.torch_device)
+        # Copy-completion events by tensor, weakly held so a dropped tensor drops its event.
+        self._events = WeakIdKeyDictionary()
+
+    def _pinned_source(self, host: torch.Tensor) -> torch.Tensor:
+        if host.is_pinned():
+            return host
+        if isinstance(host, torch.nn.Parameter) or host.is_leaf:
+            # Host-resident parameters live in pinned memory from their first load on, so
+            # every later copy is a true asynchronous DMA (values are unchanged).
+            try:
+                host.data = host.data.pin_memory()
+                return host
+            except RuntimeError:
+                pass
+        return host.pin_memory()
+
+    def load(self, host, name, layer):
+        src = self._pinned_source(host)
+        with torch.cuda.stream(self.h2d_stream):
+            dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.torch_device)
+            dev.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.h2d_stream)
+        self._events[dev] = event
+        self.stats.add("h2d", layer, host.numel() * host.element_size())
+        return dev
+
+    def offload(self, device_tensor, name, layer):
+        host = torch.empty_strided(device_tensor.shape, device_tensor.stride(), dtype=device_tensor.dtype,
+                                   device="cpu", pin_memory=True)
+        compute = torch.cuda.current_stream(self.torch_device)
+        self.d2h_stream.wait_stream(compute)
+        with torch.cuda.stream(self.d2h_stream):
+            host.copy_(device_tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.d2h_stream)
+        # The device copy must not be reused before the DMA has read it.
+        device_tensor.record_stream(self.d2h_stream)
+        self._events[host] = event
+        self.stats.add("d2h", layer, device_tensor.numel() * device_tensor.element_size())
+        return host
+
+    def wait(self, t):
+        event = self._events.pop(t, None)
+        if event is None:
+            return
+        if t.is_cuda:
+            compute = torch.cuda.current_stream(self.torch_device)
+            compute.wait_event(event)
+            # Allocated on the copy stream, read on the compute stream.
+            t.record_stream(compute)
+        else:
+            event.synchronize()  # a host tensor: the CPU is about to read it
+
+    def evict(self, t):
+        return None  # the allocator returns the slot once record_stream's streams are done
+
+    def synchronize(self):
+        torch.cuda.synchronize(self.torch_device)
+
+
+_DEVICES: dict[str, StreamingDevice] = {}
+
+
+def get_device(kind: str) -> StreamingDevice:
+    """One device object per kind for the process (streams and trackers are shared)."""
+    if kind not in _DEVICES:
+        _DEVICES[kind] = CudaDevice() if kind == "cuda" else CpuStandInDevice()
+    return _DEVICES[kind]

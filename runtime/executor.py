@@ -1,0 +1,226 @@
+"""Executes a rewritten graph: memory ops on the device's copy lanes, compute in between.
+
+The program is the graph's nodes in order, each an instruction over numbered value slots.
+Like Thunder's ``del`` statements, frees are explicit: after each instruction the slots whose
+last reader it was are cleared, so a value lives exactly as long as the graph says (this is
+what makes the measured peak comparable with the planned one).
+
+Two lowerings share the executor:
+- eager: every compute op is one instruction, run op by op, and every device-side result is
+  handed to the device's tracker (on the CPU stand-in that is how the peak is measured);
+- inductor: each maximal run of compute ops between two memory ops is one segment, compiled
+  once by Inductor (Triton kernels on CUDA, C++ on CPU) on its first call.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from megacompile import ops
+from megacompile.node_info import has_info, info
+
+from .device import StreamingDevice
+
+
+@dataclasses.dataclass
+class Instruction:
+    kind: str  # load | offload | wait | evict | op | segment
+    out: list[int]
+    args: Any  # slot-referencing args for op; input slots for memory ops / segments
+    fn: Any = None
+    name: str = ""
+    layer: str | None = None
+    frees: list[int] = dataclasses.field(default_factory=list)
+
+
+class _Slot:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _resolve(template: Any, env: list) -> Any:
+    if isinstance(template, _Slot):
+        return env[template.index]
+    if isinstance(template, (list, tuple)):
+        resolved = [_resolve(t, env) for t in template]
+        return resolved if isinstance(template, list) else tuple(resolved)
+    if isinstance(template, dict):
+        return {k: _resolve(v, env) for k, v in template.items()}
+    return template
+
+
+class StreamingProgram:
+    """A boxed callable (takes a list of inputs, which it empties) that runs one graph."""
+
+    _boxed_call = True
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        device: StreamingDevice,
+        lowering: str,
+        compile_segment: Callable[[fx.GraphModule, list], Callable] | None = None,
+        on_start: Callable[[], None] | None = None,
+        on_finish: Callable[[], None] | None = None,
+    ) -> None:
+        self.gm = gm
+        self.device = device
+        self.lowering = lowering
+        self.compile_segment = compile_segment
+        self.on_start = on_start
+        self.on_finish = on_finish
+        self._build()
+
+    # --- building -------------------------------------------------------------------------
+    def _build(self) -> None:
+        nodes = list(self.gm.graph.nodes)
+        slot: dict[fx.Node, int] = {}
+        self.input_slots: list[int] = []
+        self.instructions: list[Instruction] = []
+        pending: list[fx.Node] = []  # compute ops waiting to become a segment
+
+        def slot_of(n: fx.Node) -> int:
+            if n not in slot:
+                slot[n] = len(slot)
+            return slot[n]
+
+        def template(a: Any) -> Any:
+            return fx.node.map_arg(a, lambda n: _Slot(slot_of(n)))
+
+        def flush() -> None:
+            if pending:
+                self.instructions.append(self._segment(pending, slot_of, nodes))
+                pending.clear()
+
+        for node in nodes:
+            if node.op == "placeholder":
+                self.input_slots.append(slot_of(node))
+            elif node.op == "output":
+                flush()
+                self.output_template = template(node.args[0])
+            elif node.op == "get_attr":
+                flush()
+                value = getattr(self.gm, node.target)
+                self.instructions.append(Instruction("const", [slot_of(node)], None, fn=value, name=node.name))
+            elif ops.is_memory_op(node):
+                flush()
+                kind = node.target._schema.name.split("::")[-1]
+                layer = info(node).layer if has_info(node) else None
+                out = [slot_of(node)] if kind in ("load", "offload") else []
+                self.instructions.append(
+                    Instruction(kind, out, [slot_of(node.args[0])], name=node.name, layer=layer,
+                                fn=node.args[1] if len(node.args) > 1 else None)
+                )
+            else:
+                if self.lowering == "inductor":
+                    pending.append(node)
+                else:
+                    self.instructions.append(
+                        Instruction("op", [slot_of(node)], (template(node.args), template(node.kwargs)),
+                                    fn=node.target, name=node.name)
+                    )
+        self.num_slots = len(slot)
+        self._plan_frees(slot)
+
+    def _segment(self, seg_nodes: list[fx.Node], slot_of, all_nodes: list[fx.Node]) -> Instruction:
+        inside = set(seg_nodes)
+        inputs: list[fx.Node] = []
+        for n in seg_nodes:
+            for inp in n.all_input_nodes:
+                if inp not in inside and inp not in inputs:
+                    inputs.append(inp)
+        outputs = [n for n in seg_nodes if any(u not in inside for u in n.users)]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for inp in inputs:
+            ph = graph.placeholder(inp.name)
+            ph.meta = dict(inp.meta)
+            env[inp] = ph
+        for n in seg_nodes:
+            env[n] = graph.node_copy(n, lambda x: env[x])
+        graph.output(tuple(env[o] for o in outputs))
+        sub = fx.GraphModule(self.gm, graph)
+        instr = Instruction("segment", [slot_of(o) for o in outputs], [slot_of(i) for i in inputs],
+                            name=f"segment[{seg_nodes[0].name}..{seg_nodes[-1].name}]")
+        instr.fn = {"gm": sub, "compiled": None}
+        return instr
+
+    def _plan_frees(self, slot: dict) -> None:
+        last_read: dict[int, int] = {}
+
+        def reads(instr: Instruction) -> list[int]:
+            if instr.kind == "op":
+                found: list[int] = []
+                fx.node.map_aggregate(instr.args, lambda a: found.append(a.index) if isinstance(a, _Slot) else a)
+                return found
+            if instr.kind == "const":
+                return []
+            return list(instr.args)
+
+        for k, instr in enumerate(self.instructions):
+            for s in reads(instr):
+                last_read[s] = k
+            for s in instr.out:
+                last_read.setdefault(s, k)  # a value nobody reads dies right away
+        outputs: set[int] = set()
+        fx.node.map_aggregate(self.output_template, lambda a: outputs.add(a.index) if isinstance(a, _Slot) else a)
+        for s in self.input_slots:
+            last_read.setdefault(s, -1)
+        self.free_at_start = [s for s, k in last_read.items() if k == -1 and s not in outputs]
+        for s, k in last_read.items():
+            if k >= 0 and s not in outputs:
+                self.instructions[k].frees.append(s)
+
+    # --- running --------------------------------------------------------------------------
+    # The backward runs from inside the user's compiled frame (``loss.backward()`` after a
+    # graph break); without this, Dynamo would try to trace the runtime itself.
+    @torch.compiler.disable
+    def __call__(self, args: list) -> Any:
+        if self.on_start is not None:
+            self.on_start()
+        env: list = [None] * self.num_slots
+        for s, value in zip(self.input_slots, args):
+            env[s] = value
+        args.clear()  # the caller's references would keep inputs alive past their last use
+        for s in self.free_at_start:
+            env[s] = None
+        device = self.device
+        track = self.lowering == "eager"
+        for instr in self.instructions:
+            kind = instr.kind
+            if kind == "op":
+                a, kw = _resolve(instr.args, env)
+                out = instr.fn(*a, **kw)
+                env[instr.out[0]] = out
+                if track:
+                    device.track(out)
+            elif kind == "load":
+                env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer)
+            elif kind == "wait":
+                device.wait(env[instr.args[0]])
+            elif kind == "evict":
+                device.evict(env[instr.args[0]])
+            elif kind == "offload":
+                env[instr.out[0]] = device.offload(env[instr.args[0]], instr.fn, instr.layer)
+            elif kind == "segment":
+                inputs = [env[s] for s in instr.args]
+                if instr.fn["compiled"] is None:
+                    instr.fn["compiled"] = self.compile_segment(instr.fn["gm"], inputs)
+                outs = instr.fn["compiled"](*inputs)
+                del inputs
+                for s, v in zip(instr.out, outs):
+                    env[s] = v
+            elif kind == "const":
+                env[instr.out[0]] = instr.fn
+            for s in instr.frees:
+                env[s] = None
+        result = _resolve(self.output_template, env)
+        env.clear()
+        if self.on_finish is not None:
+            self.on_finish()
+        return result

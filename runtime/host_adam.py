@@ -1,0 +1,331 @@
+"""Fused host (CPU) Adam/AdamW step: Python side of ``runtime/csrc/host_adam.cpp``.
+
+megacompile keeps parameters, gradients and optimizer state of large models in host
+memory, so the optimizer step runs on the CPU. ``fused_adam_step`` updates a whole
+parameter group in one pass over memory with a C++ kernel that is JIT-built (with
+``torch.utils.cpp_extension.load``) on first use and cached on disk.
+
+Numerics match ``torch.optim.Adam`` / ``torch.optim.AdamW`` with ``foreach=False``
+(``_single_tensor_adam``) op for op; the only deliberate difference is that the kernel's
+float32 sqrt is correctly rounded while ATen's (MKL) is not always, which moves a small
+fraction of elements by about one ulp of their update. See the C++ file for details.
+
+Public API::
+
+    host_adam_available() -> HostAdamStatus        # falsy with .reason if no kernel
+    load_extension(verbose=False)                   # build/load; raises HostAdamUnavailable
+    fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
+                    eps, weight_decay, decoupled, maximize, num_threads=None)
+    torch_fused_adam_step(...)                      # same signature, torch's fused CPU op
+
+The build cache lives in ``$TORCH_EXTENSIONS_DIR/<name>`` if that variable is set, else
+``~/.cache/megacompile/torch_extensions/<name>``; ``<name>`` hashes the CPU's feature
+flags, torch and Python versions, because the kernel is compiled with ``-march=native``
+and a home directory may be shared between different machines.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+__all__ = [
+    "HostAdamStatus",
+    "HostAdamUnavailable",
+    "fused_adam_step",
+    "host_adam_available",
+    "load_extension",
+    "torch_fused_adam_step",
+]
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "host_adam.cpp"
+_OPS_NAMESPACE = "megacompile_host_adam"
+
+# -ffp-contract=off: the kernel spells out every fma that ATen performs; letting the
+# compiler contract other a*b+c patterns would change rounding vs torch.
+# -fno-math-errno: lets std::sqrt become a vector sqrt instruction (it never sees a
+# negative input here); neither this nor -fno-trapping-math changes any result.
+_COMMON_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+_NATIVE_CFLAGS = ["-march=native"]
+
+
+class HostAdamUnavailable(RuntimeError):
+    """The host Adam kernel could not be built or loaded; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostAdamStatus:
+    """Result of :func:`host_adam_available`; truthy iff the kernel can be used."""
+
+    available: bool
+    reason: Optional[str] = None  # why not, when unavailable
+    portable: bool = False  # built without -march=native (the native build failed)
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+_lock = threading.Lock()
+_ops = None  # torch.ops.megacompile_host_adam once loaded
+_error: Optional[str] = None  # sticky: a failed build is not retried in this process
+_portable = False
+
+
+def _cpu_fingerprint() -> str:
+    """Identifies the instruction set the native build targets."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("flags", "features", "model name"):
+                    flags += line
+                if key in ("flags", "features"):
+                    break  # the first CPU's block is enough
+    except OSError:
+        pass
+    return platform.machine() + "\n" + flags
+
+
+def _build_directory(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "megacompile" / "torch_extensions"
+    path = base / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _extension_name(portable: bool) -> str:
+    key = "\n".join(
+        [
+            torch.__version__,
+            sys.version.split()[0],
+            _cpu_fingerprint(),
+            " ".join(_COMMON_CFLAGS + ([] if portable else _NATIVE_CFLAGS)),
+        ]
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return f"megacompile_host_adam_{'portable_' if portable else ''}{digest}"
+
+
+def _ensure_toolchain() -> None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise HostAdamUnavailable(
+            f"no C++ compiler: {cxx!r} is not on PATH (set CXX or install g++/clang++) "
+            "to build the host Adam kernel"
+        )
+    if shutil.which("ninja") is None:
+        # The pip `ninja` package installs its binary next to the interpreter's scripts,
+        # which is not on PATH when a venv's python is run without activating the venv.
+        try:
+            import ninja  # type: ignore[import-not-found]
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    if shutil.which("ninja") is None:
+        raise HostAdamUnavailable(
+            "ninja is required to build the host Adam kernel (pip install ninja)"
+        )
+
+
+def _build(portable: bool, verbose: bool) -> None:
+    from torch.utils.cpp_extension import load
+
+    name = _extension_name(portable)
+    load(
+        name=name,
+        sources=[str(_SOURCE)],
+        extra_cflags=_COMMON_CFLAGS + ([] if portable else _NATIVE_CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(_build_directory(name)),
+        # The ops register themselves with TORCH_LIBRARY; no Python module to import.
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+def load_extension(verbose: bool = False):
+    """Builds (first call on a machine: ~30 s) and loads the kernel; returns the op namespace.
+
+    Raises :class:`HostAdamUnavailable` with the reason if it cannot be built. A failure is
+    remembered for the life of the process so that callers can fall back cheaply.
+    """
+    global _ops, _error, _portable
+    if _ops is not None:
+        return _ops
+    with _lock:
+        if _ops is not None:
+            return _ops
+        if _error is not None:
+            raise HostAdamUnavailable(_error)
+        if not _SOURCE.is_file():
+            _error = f"kernel source not found: {_SOURCE}"
+            raise HostAdamUnavailable(_error)
+        try:
+            _ensure_toolchain()
+        except HostAdamUnavailable as exc:
+            _error = str(exc)
+            raise
+        native_error = None
+        for portable in (False, True):
+            try:
+                _build(portable, verbose)
+            except Exception as exc:  # compiler errors surface as RuntimeError/OSError
+                if not portable:
+                    # -march=native can fail on an exotic compiler/CPU pair; a portable
+                    # build is slower but still one pass over memory.
+                    native_error = exc
+                    continue
+                _error = (
+                    "failed to build the host Adam kernel "
+                    f"(native: {native_error}; portable: {exc})"
+                )
+                raise HostAdamUnavailable(_error) from exc
+            _portable = portable
+            break
+        _ops = getattr(torch.ops, _OPS_NAMESPACE)
+        return _ops
+
+
+def host_adam_available(verbose: bool = False) -> HostAdamStatus:
+    """Whether the kernel can be used, building it if needed (never raises)."""
+    try:
+        load_extension(verbose=verbose)
+    except HostAdamUnavailable as exc:
+        return HostAdamStatus(False, str(exc))
+    return HostAdamStatus(True, None, portable=_portable)
+
+
+StepsArg = Union[Sequence[torch.Tensor], int, float]
+
+
+def _check_lengths(params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
+        raise ValueError(
+            "params, grads, exp_avgs and exp_avg_sqs must have the same length, got "
+            f"{n}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}"
+        )
+    if not isinstance(steps, (int, float)) and len(steps) != n:
+        raise ValueError(f"steps must be a number or have one tensor per param ({n}), got {len(steps)}")
+
+
+def fused_adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: StepsArg,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool = False,
+    num_threads: Optional[int] = None,
+) -> None:
+    """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) update, in place.
+
+    ``params``, ``exp_avgs``, ``exp_avg_sqs``: contiguous float32 CPU tensors (updated).
+    ``grads``: contiguous CPU tensors of the same sizes, float32 or bfloat16 (a bf16 grad
+    is widened exactly to float32; the state stays float32).
+    ``steps``: either torch-style step tensors, one per param (one-element float32/64 CPU
+    tensors; each is incremented in place first, exactly like ``state["step"]`` in
+    torch.optim), or a plain number: the 1-based index of this update, shared by all
+    tensors (the caller counts; pass 1 on the first update).
+    ``weight_decay`` is decoupled (AdamW: ``p *= 1 - lr*wd``) or L2 (Adam: ``g += wd*p``).
+    ``num_threads``: OpenMP threads; default torch.get_num_threads().
+
+    Equivalent to ``torch.optim.AdamW/Adam(..., foreach=False).step()`` for those tensors
+    (amsgrad, capturable and differentiable are not supported). Runs without the GIL.
+    Raises :class:`HostAdamUnavailable` if the kernel cannot be built: check
+    :func:`host_adam_available` first, or use :func:`torch_fused_adam_step`.
+    """
+    _check_lengths(params, grads, exp_avgs, exp_avg_sqs, steps)
+    if len(params) == 0:
+        return  # the dispatcher cannot pick a backend for empty tensor lists
+    ops = load_extension()
+    with torch.no_grad():
+        if isinstance(steps, (int, float)):
+            step_values = [float(steps)]
+        else:
+            step_values = ops.increment_steps(list(steps))
+        ops.adam_step(
+            list(params),
+            list(grads),
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            step_values,
+            float(lr),
+            float(beta1),
+            float(beta2),
+            float(eps),
+            float(weight_decay),
+            bool(decoupled),
+            bool(maximize),
+            int(num_threads or 0),
+        )
+
+
+def torch_fused_adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: StepsArg,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool = False,
+    num_threads: Optional[int] = None,
+) -> None:
+    """Fallback with :func:`fused_adam_step`'s signature on torch's fused CPU Adam.
+
+    Same update rule, but torch's fused kernel rounds differently from the for-loop
+    implementation (it is not bitwise equal to ``foreach=False``). ``num_threads`` is
+    ignored (torch uses its intra-op pool).
+    """
+    del num_threads
+    _check_lengths(params, grads, exp_avgs, exp_avg_sqs, steps)
+    if len(params) == 0:
+        return
+    with torch.no_grad():
+        if isinstance(steps, (int, float)):
+            # The fused op reads the already-incremented step from a tensor.
+            step_tensors = [torch.tensor(float(steps)) for _ in params]
+        else:
+            step_tensors = list(steps)
+            torch._foreach_add_(step_tensors, 1)
+        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
+        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        fused(
+            list(params),
+            grads,
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            [],
+            step_tensors,
+            lr=float(lr),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=float(weight_decay),
+            eps=float(eps),
+            amsgrad=False,
+            maximize=bool(maximize),
+        )
