@@ -8,13 +8,14 @@ the end of the forward. The peak is the most bytes live at once.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from . import ops
-from .node_info import has_info, info, is_view_node, size_hint
+from .node_info import has_info, info, is_view_node, size_hint, tensor_nbytes
 
 
 @dataclasses.dataclass
@@ -73,7 +74,7 @@ def _owned_bytes(node: fx.Node) -> int:
     return size_hint(info(node).nbytes)
 
 
-def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool) -> MemoryEstimate:
+def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None) -> MemoryEstimate:
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
@@ -81,13 +82,18 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool) -> MemoryEstim
     birth: dict[fx.Node, int] = {}
     death: dict[fx.Node, int] = {}
     output = nodes[-1]
+    orphans: list[tuple[int, int, int]] = []
     for node in nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
         root = _root(node, memo)
         if _owned_bytes(root) == 0:
             continue
-        birth.setdefault(root, 0 if root.op == "placeholder" else position[root])
+        born_at = 0 if root.op == "placeholder" else position[root]
+        if root.op == "call_function" and root.target is operator.getitem:
+            # A tuple op's outputs exist from the op itself, not from the getitem.
+            born_at = position[root.args[0]]
+        birth.setdefault(root, born_at)
         last = position[node]
         for user in node.users:
             if user is output:
@@ -96,7 +102,27 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool) -> MemoryEstim
                 last = max(last, position[user])
         death[root] = max(death.get(root, 0), last)
 
+    # A tuple op's outputs are held by the tuple until its last getitem has run; outputs
+    # nobody takes apart (no getitem) still exist for that long.
+    for node in nodes:
+        if node.op != "call_function" or not isinstance(node.meta.get("val"), (tuple, list)):
+            continue
+        if not has_info(node) or info(node).placement != "device":
+            continue
+        getitems = [u for u in node.users if u.target is operator.getitem]
+        tuple_end = max((position[g] for g in getitems), default=position[node])
+        for g in getitems:
+            if g in death:
+                death[g] = max(death[g], tuple_end)
+        taken = {g.args[1] for g in getitems}
+        orphan = sum(size_hint(tensor_nbytes(v)) for i, v in enumerate(node.meta["val"]) if i not in taken)
+        if orphan:
+            orphans.append((position[node], tuple_end, orphan))
+
     delta = [0] * (end + 2)
+    for born_at, dies_at, size in orphans:
+        delta[born_at] += size
+        delta[dies_at + 1] -= size
     start_bytes = end_bytes = 0
     for root, b in birth.items():
         size = _owned_bytes(root)
@@ -112,6 +138,8 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool) -> MemoryEstim
     for i in range(end + 1):
         live += delta[i]
         node = nodes[i] if i < end else None
+        if curve is not None and node is not None:
+            curve.append((node.name, live))
         if node is not None and has_info(node) and info(node).layer:
             current_layer = info(node).layer
         if current_layer is not None:

@@ -18,6 +18,8 @@ before its first use, so a layer is replayed right before its backward runs.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -156,6 +158,13 @@ def _sink_recomputed(gm: fx.GraphModule) -> None:
             if expanded:
                 emitted.add(cur)
                 order.append(cur)
+                # Take a tuple op's outputs apart right away, so the tuple (which keeps
+                # every output alive) dies at once and each output lives only as long as
+                # its own uses.
+                for user in cur.users:
+                    if user.target is operator.getitem and user not in emitted:
+                        emitted.add(user)
+                        order.append(user)
                 continue
             stack.append((cur, True))
             for inp in reversed(cur.all_input_nodes):

@@ -74,6 +74,9 @@ class StreamingProgram:
         self.compile_segment = compile_segment
         self.on_start = on_start
         self.on_finish = on_finish
+        # Set to a list to record (instruction, device bytes live after it): debugging aid
+        # for comparing the measured curve with the plan's.
+        self.memory_log: list | None = None
         self._build()
 
     # --- building -------------------------------------------------------------------------
@@ -195,10 +198,11 @@ class StreamingProgram:
             kind = instr.kind
             if kind == "op":
                 a, kw = _resolve(instr.args, env)
-                out = instr.fn(*a, **kw)
-                env[instr.out[0]] = out
+                env[instr.out[0]] = instr.fn(*a, **kw)
+                # Locals would keep this op's inputs alive past their last use.
+                a = kw = None
                 if track:
-                    device.track(out)
+                    device.track(env[instr.out[0]])
             elif kind == "load":
                 env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer)
             elif kind == "wait":
@@ -212,11 +216,14 @@ class StreamingProgram:
                 if instr.fn["compiled"] is None:
                     instr.fn["compiled"] = self.compile_segment(instr.fn["gm"], inputs)
                 outs = instr.fn["compiled"](*inputs)
-                del inputs
+                inputs = None
                 for s, v in zip(instr.out, outs):
                     env[s] = v
+                outs = None
             elif kind == "const":
                 env[instr.out[0]] = instr.fn
+            if self.memory_log is not None:
+                self.memory_log.append((instr.name, device.tracker.current))
             for s in instr.frees:
                 env[s] = None
         result = _resolve(self.output_template, env)
