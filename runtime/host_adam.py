@@ -217,7 +217,7 @@ def host_adam_available(verbose: bool = False) -> HostAdamStatus:
     return HostAdamStatus(True, None, portable=_portable)
 
 
-StepsArg = Union[Sequence[torch.Tensor], torch.Tensor, int, float]
+StepsArg = Union[Sequence[torch.Tensor], Sequence[float], torch.Tensor, int, float]
 
 
 def _check_lengths(params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
@@ -256,7 +256,8 @@ def fused_adam_step(
     tensors; each is incremented in place first, exactly like ``state["step"]`` in
     torch.optim), or one such tensor shared by the whole group (incremented once), or a
     plain number: the 1-based index of this update, shared by all tensors (the caller
-    counts; pass 1 on the first update).
+    counts; pass 1 on the first update), or a list of such numbers, one per tensor.
+    Numbers are used as given; tensors are incremented first.
     ``weight_decay`` is decoupled (AdamW: ``p *= 1 - lr*wd``) or L2 (Adam: ``g += wd*p``).
     ``num_threads``: OpenMP threads; default torch.get_num_threads().
 
@@ -274,6 +275,8 @@ def fused_adam_step(
             step_values = [float(steps)]
         elif isinstance(steps, torch.Tensor):
             step_values = ops.increment_steps([steps])  # one value broadcast to all
+        elif all(isinstance(s, (int, float)) for s in steps):
+            step_values = [float(s) for s in steps]
         else:
             step_values = ops.increment_steps(list(steps))
         ops.adam_step(
@@ -326,6 +329,8 @@ def torch_fused_adam_step(
         elif isinstance(steps, torch.Tensor):
             steps.add_(1)
             step_tensors = [steps] * len(params)
+        elif all(isinstance(s, (int, float)) for s in steps):
+            step_tensors = [torch.tensor(float(s)) for s in steps]
         else:
             step_tensors = list(steps)
             torch._foreach_add_(step_tensors, 1)

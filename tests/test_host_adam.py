@@ -52,7 +52,7 @@ def kernel():
 # Shapes: empty, 0-dim, sizes around the 8/16-lane vector widths (remainder loops), a
 # matrix, and one big enough (> 65536 elements, several 32K-element chunks plus a ragged
 # tail) to take the multi-threaded path.
-SHAPES = [(0,), (), (1,), (7,), (15,), (16,), (17,), (33, 5), (1000,), (300_007,)]
+SHAPES = [(0,), (), (1,), (7,), (15,), (16,), (17,), (33, 5), (1000,), (140_007,)]
 
 CASES = {
     # name: (optimizer class, kwargs)
@@ -197,14 +197,15 @@ def test_step_forms_agree(kernel):
     grads_seq = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
     results = []
-    for form in ("list", "shared", "number"):
+    for form in ("list", "shared", "number", "numbers"):
         params = [t.clone() for t in init]
         m = [torch.zeros_like(t) for t in init]
         v = [torch.zeros_like(t) for t in init]
         step_list = [torch.tensor(0.0) for _ in shapes]
         shared = torch.tensor(0.0)
         for i, grads in enumerate(grads_seq):
-            steps = {"list": step_list, "shared": shared, "number": i + 1}[form]
+            steps = {"list": step_list, "shared": shared, "number": i + 1,
+                     "numbers": [i + 1] * len(shapes)}[form]
             kernel.fused_adam_step(params, grads, m, v, steps, **kw)
         if form == "list":
             assert [s.item() for s in step_list] == [3.0, 3.0]

@@ -26,9 +26,12 @@
 // tensor's dtype. The whole file is compiled with -ffp-contract=off so that the compiler
 // cannot fuse anything ATen does not fuse; the fmas above are spelled out with std::fma.
 //
-// The one intended difference: ATen computes float32 sqrt with MKL's vsSqrt (about 0.7% of
-// results are 1 ulp away from the correctly rounded value); we use the IEEE correctly
-// rounded sqrt. Elements where that matters differ from torch by about 1 ulp of the update.
+// The one intended difference: on MKL builds of torch (the x86 pip wheels) ATen's float32
+// sqrt is MKL's vsSqrt (at::vml), which puts about 0.7% of results 1 ulp away from the
+// correctly rounded value; we use the IEEE correctly rounded sqrt instruction. Elements
+// where that matters differ from torch by about 1 ulp of the update. With a correctly
+// rounded sqrt swapped into torch's op sequence the results are bitwise equal
+// (tests/test_host_adam.py checks both).
 //
 // The file also contains STREAM-like loops (copy, triad, and a 4-read/3-write stream with
 // Adam's access pattern) used only by benchmarks/host_adamw.py to measure the machine's
@@ -79,7 +82,6 @@ struct Coeffs {
 
 struct Hyper {
   double lr, beta1, beta2, eps, weight_decay;
-  bool decoupled, maximize;
 };
 
 Coeffs make_coeffs(const Hyper& h, double step) {
@@ -217,6 +219,8 @@ void check_state(const at::Tensor& t, const char* what, size_t i) {
   TORCH_CHECK(t.is_contiguous(), "host_adam: ", what, "[", i, "] must be contiguous");
 }
 
+// The one entry for both a single tensor and a whole parameter group (lists of length 1 or
+// N): one dispatcher call and one OpenMP region per group, however many tensors it has.
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                at::TensorList exp_avg_sqs, at::ArrayRef<double> steps, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool decoupled,
@@ -226,7 +230,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
               "host_adam: params, grads, exp_avgs, exp_avg_sqs must have the same length");
   TORCH_CHECK(steps.size() == n || steps.size() == 1,
               "host_adam: steps must have one value per tensor or a single value");
-  const Hyper h{lr, beta1, beta2, eps, weight_decay, decoupled, maximize};
+  const Hyper h{lr, beta1, beta2, eps, weight_decay};
   const int wd_mode = weight_decay == 0.0 ? kNoDecay : (decoupled ? kDecoupled : kL2);
   const bool small_w1 = std::abs(static_cast<float>(1.0 - beta1)) < 0.5f;
 
@@ -235,6 +239,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   std::vector<RangeFn> fns(n);
   std::vector<float*> pp(n), mp(n), vp(n);
   std::vector<const void*> gp(n);
+  std::vector<int64_t> gsize(n);
   for (size_t i = 0; i < n; ++i) {
     check_state(params[i], "params", i);
     check_state(exp_avgs[i], "exp_avgs", i);
@@ -260,6 +265,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
     mp[i] = exp_avgs[i].data_ptr<float>();
     vp[i] = exp_avg_sqs[i].data_ptr<float>();
     gp[i] = g.data_ptr();
+    gsize[i] = g.element_size();
   }
 
   int64_t total = 0;
@@ -267,8 +273,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   for_items(items, total, num_threads, [&](const Item& it) {
     const int64_t b = it.begin;
     const size_t t = static_cast<size_t>(it.tensor);
-    const size_t gsize = grads[t].element_size();
-    fns[t](pp[t] + b, static_cast<const char*>(gp[t]) + b * gsize, mp[t] + b, vp[t] + b,
+    fns[t](pp[t] + b, static_cast<const char*>(gp[t]) + b * gsize[t], mp[t] + b, vp[t] + b,
            it.end - b, coeffs[t]);
   });
 
