@@ -167,12 +167,17 @@ class TrainingCompiler:
         COMPILED.append(self.record)
         return fw, bw
 
+    # AOTAutograd compiles the backward lazily, inside ``loss.backward()`` within the user's
+    # compiled frame; without ``disable`` Dynamo would trace our lowering code itself.
+    @torch.compiler.disable
     def compile_forward(self, gm: fx.GraphModule, example_inputs) -> Any:
         return self.lower(self._same_or_ours(gm, self.record.forward), start_step=True, record=self.record)
 
+    @torch.compiler.disable
     def compile_backward(self, gm: fx.GraphModule, example_inputs) -> Any:
         return self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record)
 
+    @torch.compiler.disable
     def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Any:
         plan = TrainingPlan(policy="inference", budget=self.options.memory_budget)
         ctx = self._ctx("inference", plan)
