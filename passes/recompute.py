@@ -130,9 +130,14 @@ def choose_saved(joint: fx.GraphModule, policy: str) -> tuple[list[fx.Node], lis
             if n not in roots:
                 _mark(n, "recompute", "view of a host tensor, free to re-derive")
             continue
-        if n.op == "placeholder" or _is_random(n) or policy == "keep":
-            reason = "random op: replay would differ" if _is_random(n) else "policy keep"
-            save(n, reason)
+        producer = n.args[0] if n.target is operator.getitem else n
+        random = isinstance(producer, fx.Node) and _is_random(producer)
+        if isinstance(n.meta.get("val"), (tuple, list)):
+            # Save a tuple op's outputs, never the tuple itself.
+            worklist.extend(u for u in n.users if u.target is operator.getitem and u in fwd_set)
+            continue
+        if n.op == "placeholder" or random or policy == "keep":
+            save(n, "random op: replay would differ" if random else "policy keep")
             continue
         if crosses_layer(n) or not n.all_input_nodes:
             save(n, "layer boundary: the backward replays the layer from it")
@@ -177,11 +182,12 @@ def _sink_recomputed(gm: fx.GraphModule) -> None:
     for n in nodes:
         if n not in recomputed:
             emit(n)
-    # Recomputed ops nobody needs are dead; leave them for DCE at the end.
-    anchor = None
+    # Placeholders stay first, in their order; everything else follows in demand order.
+    # (Recomputed ops nobody needs are dead; DCE removes them below.)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
     for n in order:
         if n.op == "placeholder":
-            anchor = n
             continue
         if anchor is None:
             first = next(iter(graph.nodes))
