@@ -32,10 +32,10 @@ DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=100, help="training steps (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=200, help="training steps (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=64, help="characters per sequence (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
     p.add_argument("--intermediate", type=int, default=None,
