@@ -112,3 +112,10 @@ def inductor_backend() -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx
+
+
+def no_dispatch_modes():
+    """A context with no active Python dispatch modes (fake / functional tensor modes)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()

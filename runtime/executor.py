@@ -54,6 +54,15 @@ def _resolve(template: Any, env: list) -> Any:
     return template
 
 
+def _is_trivial(node: fx.Node) -> bool:
+    """Views and tuple access: nothing for a compiler to fuse, so they run as they are."""
+    import operator
+
+    from megacompile.node_info import is_view_node
+
+    return node.target is operator.getitem or is_view_node(node)
+
+
 class StreamingProgram:
     """A boxed callable (takes a list of inputs, which it empties) that runs one graph."""
 
@@ -120,9 +129,10 @@ class StreamingProgram:
                                 fn=node.args[1] if len(node.args) > 1 else None)
                 )
             else:
-                if self.lowering == "inductor":
+                if self.lowering == "inductor" and not _is_trivial(node):
                     pending.append(node)
                 else:
+                    flush()
                     self.instructions.append(
                         Instruction("op", [slot_of(node)], (template(node.args), template(node.kwargs)),
                                     fn=node.target, name=node.name)
@@ -140,12 +150,13 @@ class StreamingProgram:
         outputs = [n for n in seg_nodes if any(u not in inside for u in n.users)]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
+        # The segment is re-traced by Inductor with real inputs: it gets none of the parent
+        # graph's meta (its fake tensors belong to another fake mode).
         for inp in inputs:
-            ph = graph.placeholder(inp.name)
-            ph.meta = dict(inp.meta)
-            env[inp] = ph
+            env[inp] = graph.placeholder(inp.name)
         for n in seg_nodes:
             env[n] = graph.node_copy(n, lambda x: env[x])
+            env[n].meta = {}
         graph.output(tuple(env[o] for o in outputs))
         sub = fx.GraphModule(self.gm, graph)
         instr = Instruction("segment", [slot_of(o) for o in outputs], [slot_of(i) for i in inputs],
@@ -178,6 +189,15 @@ class StreamingProgram:
         for s, k in last_read.items():
             if k >= 0 and s not in outputs:
                 self.instructions[k].frees.append(s)
+
+    def _compile(self, gm: fx.GraphModule, inputs: list) -> Callable:
+        # Compile outside whatever dispatch state the caller (an autograd.Function, the
+        # autograd engine) runs us in: Inductor re-traces the segment with its own modes.
+        from megacompile._torch_compat import no_dispatch_modes
+
+        examples = [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs]
+        with no_dispatch_modes(), torch.enable_grad():
+            return self.compile_segment(gm, examples)
 
     # --- running --------------------------------------------------------------------------
     # The backward runs from inside the user's compiled frame (``loss.backward()`` after a
@@ -214,7 +234,7 @@ class StreamingProgram:
             elif kind == "segment":
                 inputs = [env[s] for s in instr.args]
                 if instr.fn["compiled"] is None:
-                    instr.fn["compiled"] = self.compile_segment(instr.fn["gm"], inputs)
+                    instr.fn["compiled"] = self._compile(instr.fn["gm"], inputs)
                 outs = instr.fn["compiled"](*inputs)
                 inputs = None
                 for s, v in zip(instr.out, outs):

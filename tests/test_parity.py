@@ -1,0 +1,106 @@
+"""Five AdamW steps of the reference models under megatrain equal eager PyTorch.
+
+fp32, a device budget of 25% of the training state (parameters + gradients + AdamW states),
+the CPU stand-in device: losses within 1e-5 relative, parameters within 1e-5 absolute, and
+the measured peak device bytes within the budget.
+"""
+import copy
+
+import pytest
+import torch
+
+import megacompile
+from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
+
+STEPS = 5
+
+
+def run_parity(name: str, lowering: str, steps: int = STEPS, **model_kwargs):
+    ctor, make_batch, loss_fn = REFERENCE_MODELS[name]
+    torch.manual_seed(0)
+    model = ctor(**model_kwargs)
+    reference = copy.deepcopy(model)
+    budget = training_state_bytes(model) // 4
+    compiled_step, _ = make_training_step(model, loss_fn)
+    eager_step, _ = make_training_step(reference, loss_fn)
+    compiled_step = torch.compile(
+        compiled_step, backend="megatrain",
+        options={"device": "cpu", "lowering": lowering, "memory_budget": budget},
+    )
+    gen = torch.Generator().manual_seed(1)
+    reports = []
+    for _ in range(steps):
+        x, y = make_batch(gen)
+        got = compiled_step(x, y)
+        want = eager_step(x, y)
+        assert got.device.type == "cpu"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        reports.append(megacompile.last_report())
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=lambda m: f"{pname}: {m}")
+    return budget, reports
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])
+def test_parity_eager_lowering_under_quarter_budget(name):
+    budget, reports = run_parity(name, "eager")
+    report = reports[-1]
+    assert report.memory_budget == budget
+    assert report.planned_peak_device_bytes <= budget
+    assert report.measured_peak_device_bytes is not None
+    assert 0 < report.measured_peak_device_bytes <= budget
+    # Parameters really streamed: every step moved at least every parameter in, and every
+    # gradient out.
+    param_bytes = budget  # 25% of 4x parameter bytes
+    assert report.h2d_bytes >= param_bytes
+    assert report.d2h_bytes >= param_bytes
+    # The same plan every step: the measured peak does not drift.
+    assert len({r.measured_peak_device_bytes for r in reports[1:]}) == 1
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_measured_peak_matches_planned_peak(name):
+    """The static plan and the measured arena agree to within op-internal slack.
+
+    The plan sees tensor sizes; a few CPU kernels return a scalar that lives in a larger
+    buffer (mse_loss's 0-d result keeps its reduction buffer), which the plan cannot see.
+    """
+    _, reports = run_parity(name, "eager", steps=2)
+    report = reports[-1]
+    planned, measured = report.planned_peak_device_bytes, report.measured_peak_device_bytes
+    assert abs(measured - planned) <= 0.01 * planned
+
+
+def test_tighter_budget_switches_to_recompute_and_stays_correct():
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
+    torch.manual_seed(0)
+    model = ctor()
+    state = training_state_bytes(model)
+    step, _ = make_training_step(model, loss_fn)
+    roomy = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    x, y = make_batch(torch.Generator().manual_seed(1))
+    roomy(x, y)
+    generous = megacompile.last_report()
+    assert generous.policy == "keep" and generous.recomputed_ops == [] or all(
+        "t" in op or "view" in op or "permute" in op or "expand" in op for op in generous.recomputed_ops
+    )
+    torch._dynamo.reset()
+    tight = torch.compile(step, backend="megatrain",
+                          options={"device": "cpu", "lowering": "eager", "memory_budget": state // 4})
+    tight(x, y)
+    report = megacompile.last_report()
+    assert report.policy == "recompute"
+    assert len(report.recomputed_ops) > len(generous.recomputed_ops)
+    assert report.planned_peak_device_bytes < generous.planned_peak_device_bytes
+    assert report.measured_peak_device_bytes <= state // 4
+
+
+@pytest.mark.inductor
+def test_parity_inductor_lowering_mlp():
+    """Compute segments between memory ops compiled by Inductor (C++ on CPU), same numbers."""
+    budget, reports = run_parity("mlp", "inductor", steps=3)
+    report = reports[-1]
+    assert report.lowering == "inductor"
+    assert report.planned_peak_device_bytes <= budget
+    # On the CPU stand-in only the eager lowering accounts every device tensor.
+    assert report.measured_peak_device_bytes is None
