@@ -48,7 +48,9 @@ def check(gm: fx.GraphModule, ctx) -> None:
             if node.target is ops.load:
                 waits = [u for u in node.users if u.target is ops.wait]
                 evicts = [u for u in node.users if u.target is ops.evict]
-                uses = [u for u in node.users if not ops.is_memory_op(u) and u.op != "output"]
+                from .stream_parameters import alias_uses
+
+                uses = alias_uses(node)
                 if len(waits) != 1 or len(evicts) != 1:
                     _fail(ctx, f"{node.name} needs exactly one wait and one evict, has {len(waits)} and {len(evicts)}")
                 if any(position[u] < position[waits[0]] for u in uses):

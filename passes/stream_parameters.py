@@ -39,6 +39,22 @@ def _layer_runs(compute: list[fx.Node]) -> list[tuple[str | None, int]]:
     return runs
 
 
+def alias_uses(value: fx.Node) -> list[fx.Node]:
+    """Compute ops that read ``value`` directly or through a chain of views of it."""
+    from megacompile.node_info import is_view_node
+
+    found, stack = [], [value]
+    while stack:
+        cur = stack.pop()
+        for user in cur.users:
+            if user.op != "call_function" or ops.is_memory_op(user):
+                continue
+            found.append(user)
+            if is_view_node(user):
+                stack.append(user)
+    return found
+
+
 def run(gm: fx.GraphModule, ctx) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
@@ -87,6 +103,9 @@ def run(gm: fx.GraphModule, ctx) -> None:
                                           placement="device", source=info(host).source)
         for user in users:
             user.replace_input_with(host, load)
+        # The device copy is dead only when its views are too (``t(weight)`` feeding a
+        # matmul later): evict after the last use of the copy or of any view of it.
+        last = max(alias_uses(load), key=position.__getitem__, default=last)
         with graph.inserting_after(last):
             evict = graph.create_node("call_function", ops.evict, (load,), name=f"evict__{name}")
         evict.meta["megatrain"] = NodeInfo(layer=info(host).layer, role="memory", phase=info(last).phase,
