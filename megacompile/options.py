@@ -83,7 +83,7 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 def parse_options(raw: Mapping[str, Any] | None) -> Options:
-    from .passes import known_pass_names
+    from .passes import known_pass_names, optional_pass_names
 
     raw = dict(raw or {})
     valid = [f.name for f in dataclasses.fields(Options)]
@@ -120,8 +120,15 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         if isinstance(names, str):
             names = [names]
         known = known_pass_names()
+        optional = optional_pass_names()
         bad = [n for n in names if n not in known]
         if bad:
             raise OptionsError(f"disable_passes names unknown pass(es) {bad}; passes are: {', '.join(known)}")
+        required = [n for n in names if n not in optional]
+        if required:
+            raise OptionsError(
+                f"disable_passes cannot switch off {required}: later passes depend on them; "
+                f"passes that can be disabled: {', '.join(optional)}"
+            )
         kw["disable_passes"] = tuple(names)
     return Options(**kw)

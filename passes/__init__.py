@@ -31,6 +31,11 @@ def known_pass_names() -> list[str]:
     return [p.NAME for p in PASS_ORDER]
 
 
+def optional_pass_names() -> list[str]:
+    """Passes ``disable_passes`` may switch off."""
+    return [p.NAME for p in PASS_ORDER if p.OPTIONAL]
+
+
 @dataclasses.dataclass
 class GraphSnapshot:
     """The graph of one stage after one pass, as ``megacompile inspect`` prints it."""

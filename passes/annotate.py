@@ -25,6 +25,8 @@ from megacompile.node_info import (
 from megacompile.ops import is_memory_op
 
 NAME = "annotate"
+# Whether disable_passes may switch it off (the others are what later passes stand on).
+OPTIONAL = False
 STAGES = ("joint", "forward", "backward", "inference")
 
 
@@ -43,6 +45,7 @@ def _param_layer(name: str) -> str | None:
 
 def run(gm: fx.GraphModule, ctx) -> None:
     tangent_index = 0
+    input_index = 0
     for node in gm.graph.nodes:
         # Partitioning may share one meta dict between a joint node and its copies.
         node.meta = dict(node.meta)
@@ -52,8 +55,10 @@ def run(gm: fx.GraphModule, ctx) -> None:
         if ctx.stage == "joint":
             ni.decision = ni.reason = None  # a fresh plan decides again
         if node.op == "placeholder":
-            if compat.is_primal(node):
-                index = int(node.target.split("_")[-1]) - 1
+            if compat.is_primal(node) or ctx.stage == "inference":
+                # An inference graph's inputs (``arg0_1``...) are the Dynamo graph's inputs.
+                index = int(node.target.split("_")[-1]) - 1 if compat.is_primal(node) else input_index
+                input_index += 1
                 ni.source = ctx.input_names[index]
                 ni.role = ctx.input_roles[index]
                 ni.layer = _param_layer(ni.source) if ni.role == "param" else None

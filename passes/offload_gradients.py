@@ -18,6 +18,8 @@ from megacompile import ops
 from megacompile.node_info import NodeInfo, identifier, info, tensor_nbytes
 
 NAME = "offload_gradients"
+# Whether disable_passes may switch it off (the others are what later passes stand on).
+OPTIONAL = True
 STAGES = ("forward", "backward", "inference")
 
 

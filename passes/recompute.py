@@ -27,6 +27,8 @@ from megacompile import _torch_compat as compat
 from megacompile.node_info import info, is_view_node
 
 NAME = "recompute"
+# Whether disable_passes may switch it off (the others are what later passes stand on).
+OPTIONAL = False
 STAGES = ("joint", "backward")
 
 

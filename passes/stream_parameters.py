@@ -19,6 +19,8 @@ from megacompile import ops
 from megacompile.node_info import NodeInfo, identifier, info, tensor_nbytes
 
 NAME = "stream_parameters"
+# Whether disable_passes may switch it off (the others are what later passes stand on).
+OPTIONAL = True
 STAGES = ("forward", "backward", "inference")
 
 

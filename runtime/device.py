@@ -116,8 +116,8 @@ class CudaDevice(StreamingDevice):
         self._events = WeakIdKeyDictionary()
 
     def _pinned_source(self, host: torch.Tensor) -> torch.Tensor:
-        if host.is_pinned():
-            return host
+        if host.is_pinned() or host.device.type != "cpu":
+            return host  # already pinned, or a user input that already lives on a GPU
         if isinstance(host, torch.nn.Parameter) or host.is_leaf:
             # Host-resident parameters live in pinned memory from their first load on, so
             # every later copy is a true asynchronous DMA (values are unchanged).
@@ -140,6 +140,8 @@ class CudaDevice(StreamingDevice):
         return dev
 
     def offload(self, device_tensor, name, layer):
+        if device_tensor.device.type == "cpu":
+            return device_tensor
         host = torch.empty_strided(device_tensor.shape, device_tensor.stride(), dtype=device_tensor.dtype,
                                    device="cpu", pin_memory=True)
         compute = torch.cuda.current_stream(self.torch_device)
