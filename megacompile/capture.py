@@ -23,7 +23,7 @@ from . import _torch_compat as compat
 from .errors import BudgetError
 from .node_info import info, size_hint
 from .options import Options, format_bytes
-from .plan import MemoryEstimate, TrainingPlan, estimate_memory
+from .plan import TrainingPlan, estimate_memory
 from .report import RECORDER, LayerRow, StepReport
 
 _graph_counter = itertools.count()

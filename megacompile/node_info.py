@@ -83,8 +83,6 @@ def size_hint(nbytes: Any) -> int:
     if isinstance(nbytes, sympy.Expr):
         if nbytes.is_number:
             return int(nbytes)
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: F401
-
         # Symbols carry no hint here; callers that need one substitute the traced sizes.
         raise ValueError(f"symbolic size {nbytes} has no concrete hint")
     return int(nbytes)

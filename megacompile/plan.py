@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
-
 import torch
 import torch.fx as fx
 

@@ -16,3 +16,4 @@ def fresh_dynamo():
     megacompile.capture.COMPILED.clear()
     yield
     torch._dynamo.reset()
+    megacompile.capture.COMPILED.clear()

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 import megacompile
 from megacompile.backend import check_placement
-from megacompile.capture import COMPILED
 from megacompile.options import Options, parse_bytes, parse_options
 from reference_models import MLP, REFERENCE_MODELS, make_training_step
 
@@ -36,13 +35,6 @@ CPU_EAGER = {"device": "cpu", "lowering": "eager"}
 VALID_OPTIONS = ("device", "memory_budget", "precision", "lowering", "prefetch_depth", "recompute", "disable_passes")
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiler_state():
-    torch._dynamo.reset()
-    COMPILED.clear()
-    yield
-    torch._dynamo.reset()
-    COMPILED.clear()
 
 
 # --- helpers ------------------------------------------------------------------------------

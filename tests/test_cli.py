@@ -13,10 +13,8 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from megacompile import cli
-from megacompile.capture import COMPILED
 
 PASSES = {
     "joint": ["annotate", "recompute"],
@@ -53,14 +51,6 @@ print("argv", sys.argv[1:], "inspect", os.environ.get("MEGACOMPILE_INSPECT"))
 """
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiler_state():
-    # torch.compile's caches and megacompile's record list live for the whole process.
-    torch._dynamo.reset()
-    COMPILED.clear()
-    yield
-    torch._dynamo.reset()
-    COMPILED.clear()
 
 
 @pytest.fixture

@@ -28,13 +28,6 @@ from reference_models import MLP, make_training_step
 OPS = ("load", "offload", "wait", "evict")
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiler_state():
-    torch._dynamo.reset()
-    COMPILED.clear()
-    yield
-    torch._dynamo.reset()
-    COMPILED.clear()
 
 
 # --- the op library ---------------------------------------------------------------------------
