@@ -119,3 +119,19 @@ def no_dispatch_modes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def int_hint(x) -> int:
+    """A SymInt's value at the traced example (an int passes through).
+
+    2.13 spells this ``optimization_hint``; earlier releases ``hint_int``.
+    """
+    if not isinstance(x, torch.SymInt):
+        return int(x)
+    from torch.fx.experimental import symbolic_shapes as sym
+
+    for name in ("optimization_hint", "hint_int"):
+        fn = getattr(sym, name, None)
+        if fn is not None:
+            return int(fn(x))
+    return int(x.node.hint)

@@ -21,7 +21,7 @@ from megacompile.passes import PassContext, run_passes
 
 from . import _torch_compat as compat
 from .errors import BudgetError
-from .node_info import info, size_hint
+from .node_info import info
 from .options import Options, format_bytes
 from .plan import TrainingPlan, estimate_memory
 from .report import RECORDER, LayerRow, StepReport
@@ -72,7 +72,7 @@ class CompiledGraph:
             saved = set(plan.saved_values)
             for node in self.forward.graph.nodes:
                 if node.name in saved and info(node).placement == "device":
-                    row(info(node).layer).saved_activation_bytes += size_hint(info(node).nbytes)
+                    row(info(node).layer).saved_activation_bytes += info(node).nbytes_hint
         if self.backward is not None:
             for node in self.backward.graph.nodes:
                 if node.op == "call_function" and info(node).phase == "recompute":

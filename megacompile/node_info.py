@@ -12,7 +12,8 @@ Fields
 - ``phase``: forward | backward | recompute (a forward op replayed in backward).
 - ``placement``: host | device.
 - ``nbytes``: bytes of the tensor(s) the node produces (int, or a sympy expression when
-  shapes are symbolic); 0 for views and non-tensors.
+  shapes are symbolic); 0 for views and non-tensors. ``nbytes_hint``: the same at the
+  traced example's sizes.
 - ``source``: for inputs, the user's name (``layers.3.mlp.up.weight``, ``x``).
 - ``created_by``: the pass that inserted the node (``capture`` for nodes from the trace).
 - ``decision`` / ``reason``: the plan's decision for this value and why (save / recompute /
@@ -38,6 +39,8 @@ class NodeInfo:
     phase: str = "forward"
     placement: str = "device"
     nbytes: Any = 0
+    # ``nbytes`` evaluated at the traced example's sizes (what comparisons and peaks use).
+    nbytes_hint: int = 0
     source: str | None = None
     created_by: str = "capture"
     decision: str | None = None
@@ -76,15 +79,28 @@ def tensor_nbytes(val: Any) -> Any:
     return 0
 
 
+def tensor_nbytes_hint(val: Any) -> int:
+    """Bytes of a (fake) tensor or tuple at the sizes of the example it was traced with."""
+    from ._torch_compat import int_hint
+
+    if isinstance(val, torch.Tensor):
+        return int_hint(val.numel()) * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(tensor_nbytes_hint(v) for v in val)
+    return 0
+
+
+def set_nbytes(ni: "NodeInfo", val: Any) -> None:
+    ni.nbytes = tensor_nbytes(val)
+    ni.nbytes_hint = tensor_nbytes_hint(val)
+
+
 def size_hint(nbytes: Any) -> int:
-    """A concrete byte count for comparisons: symbolic sizes use the traced example's size."""
-    if isinstance(nbytes, int):
-        return nbytes
+    """A concrete byte count from an int or a constant sympy expression."""
     if isinstance(nbytes, sympy.Expr):
         if nbytes.is_number:
             return int(nbytes)
-        # Symbols carry no hint here; callers that need one substitute the traced sizes.
-        raise ValueError(f"symbolic size {nbytes} has no concrete hint")
+        raise ValueError(f"symbolic size {nbytes} has no concrete value here; use NodeInfo.nbytes_hint")
     return int(nbytes)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from . import ops
-from .node_info import has_info, info, is_view_node, size_hint, tensor_nbytes
+from .node_info import has_info, info, is_view_node, tensor_nbytes_hint
 
 
 @dataclasses.dataclass
@@ -69,7 +69,7 @@ def _owned_bytes(node: fx.Node) -> int:
         return 0
     if node.op == "call_function" and node.target in (ops.wait, ops.evict):
         return 0
-    return size_hint(info(node).nbytes)
+    return info(node).nbytes_hint
 
 
 def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None) -> MemoryEstimate:
@@ -113,7 +113,7 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
             if g in death:
                 death[g] = max(death[g], tuple_end)
         taken = {g.args[1] for g in getitems}
-        orphan = sum(size_hint(tensor_nbytes(v)) for i, v in enumerate(node.meta["val"]) if i not in taken)
+        orphan = sum(tensor_nbytes_hint(v) for i, v in enumerate(node.meta["val"]) if i not in taken)
         if orphan:
             orphans.append((position[node], tuple_end, orphan))
 

@@ -20,7 +20,7 @@ from megacompile.node_info import (
     is_view_node,
     layer_of_module_path,
     normalize_module_path,
-    tensor_nbytes,
+    set_nbytes,
 )
 from megacompile.ops import is_memory_op
 
@@ -75,7 +75,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
                 # the forward node). Saved values are device activations.
                 ni.role = "saved"
                 ni.placement = "device"
-            ni.nbytes = tensor_nbytes(node.meta.get("val"))
+            set_nbytes(ni, node.meta.get("val"))
         elif node.op == "call_function" and not is_memory_op(node):
             ni.layer = layer_of_module_path(_module_path(node))
             ni.role = "compute"
@@ -90,6 +90,9 @@ def run(gm: fx.GraphModule, ctx) -> None:
                 ni.phase = "backward"
             val = node.meta.get("val")
             # Views and tuple-producing ops own no bytes: the base / the getitems do.
-            ni.nbytes = 0 if is_view_node(node) or isinstance(val, (tuple, list)) else tensor_nbytes(val)
+            if is_view_node(node) or isinstance(val, (tuple, list)):
+                ni.nbytes, ni.nbytes_hint = 0, 0
+            else:
+                set_nbytes(ni, val)
         elif node.op == "output":
             ni.role = "output"

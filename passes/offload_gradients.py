@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from megacompile import ops
-from megacompile.node_info import NodeInfo, identifier, info, tensor_nbytes
+from megacompile.node_info import NodeInfo, identifier, info, set_nbytes
 
 NAME = "offload_gradients"
 # Whether disable_passes may switch it off (the others are what later passes stand on).
@@ -52,10 +52,11 @@ def run(gm: fx.GraphModule, ctx) -> None:
         host.meta["val"] = value.meta["val"]
         host.meta["megatrain"] = NodeInfo(
             layer=info(value).layer, role="memory", phase=info(value).phase, placement="host",
-            nbytes=tensor_nbytes(value.meta["val"]), source=label, decision="offload",
+            source=label, decision="offload",
             reason="gradient leaves the device as soon as it is produced" if ctx.stage == "backward"
             else "returned to the user on the host",
         )
+        set_nbytes(host.meta["megatrain"], value.meta["val"])
         # The device copy dies after its last use (the offload itself, unless the forward
         # also saves it for the backward).
         users = [u for u in value.users if u is not output and u is not host]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from megacompile import ops
-from megacompile.node_info import NodeInfo, identifier, info, tensor_nbytes
+from megacompile.node_info import NodeInfo, identifier, info, set_nbytes
 
 NAME = "stream_parameters"
 # Whether disable_passes may switch it off (the others are what later passes stand on).
@@ -96,9 +96,10 @@ def run(gm: fx.GraphModule, ctx) -> None:
         load.meta["val"] = host.meta.get("val")
         load.meta["megatrain"] = NodeInfo(
             layer=info(host).layer, role="memory", phase=info(first).phase, placement="device",
-            nbytes=tensor_nbytes(host.meta.get("val")), source=info(host).source,
+            source=info(host).source,
             decision="stream", reason=f"prefetched {depth} layer(s) ahead" if depth else "loaded at first use",
         )
+        set_nbytes(load.meta["megatrain"], host.meta.get("val"))
         with graph.inserting_before(first):
             wait = graph.create_node("call_function", ops.wait, (load,), name=f"wait__{name}")
         wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role="memory", phase=info(first).phase,
