@@ -43,7 +43,7 @@ def check(gm: fx.GraphModule, ctx) -> None:
                 continue
             if not ops.is_memory_op(node):
                 for inp in node.all_input_nodes:
-                    if info(inp).placement == "host":
+                    if info(inp).placement == "host" and isinstance(inp.meta.get("val"), torch.Tensor):
                         _fail(ctx, f"compute op {node.name} reads host value {inp.name} without a load")
             if node.target is ops.load:
                 waits = [u for u in node.users if u.target is ops.wait]
@@ -74,6 +74,8 @@ def check(gm: fx.GraphModule, ctx) -> None:
         for value in outs[ctx.num_user_outputs:]:
             if not isinstance(value, fx.Node) or info(value).placement != "device":
                 continue
+            if not isinstance(value.meta.get("val"), torch.Tensor):
+                continue  # a saved size (SymInt), not memory
             if value.target is ops.load:
                 _fail(ctx, f"loaded parameter copy {value.name} crosses from forward to backward")
             if value.name not in planned:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from megacompile import ops
-from megacompile.node_info import NodeInfo, identifier, info, set_nbytes
+from megacompile.node_info import NodeInfo, identifier, info, is_tensor_node, set_nbytes
 
 NAME = "stream_parameters"
 # Whether disable_passes may switch it off (the others are what later passes stand on).
@@ -78,7 +78,8 @@ def run(gm: fx.GraphModule, ctx) -> None:
 
     host_values = [
         n for n in nodes
-        if n.op == "placeholder" and info(n).placement == "host" and any(u in position for u in n.users)
+        if n.op == "placeholder" and info(n).placement == "host" and is_tensor_node(n)
+        and any(u in position for u in n.users)
     ]
     for host in host_values:
         users = sorted((u for u in host.users if u in position), key=position.__getitem__)
