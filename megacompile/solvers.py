@@ -1,0 +1,89 @@
+"""Pure solvers for the planner: which option to take for each item under a memory target.
+
+Each item (a layer) has options; option 0 is the baseline (keep everything: saves no memory,
+costs no time). Choose one option per item so that the memory saved reaches ``required``
+bytes at the least added time. This is a multiple-choice covering knapsack. The solvers
+take and return plain lists, so they are tested with tables and swapped by option:
+
+- ``solve_greedy``: repeatedly take the upgrade with the least added time per byte saved.
+  Fast; not always optimal.
+- ``solve_exact``: dynamic programming over items with a Pareto front of (bytes saved,
+  time added), saved bytes capped at ``required``. Optimal.
+
+Both return None when even the most aggressive choice cannot save ``required`` bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str
+    memory_saved: int
+    time_cost: float
+
+
+def _check(items: list[list[Option]]) -> None:
+    for i, options in enumerate(items):
+        if not options or options[0].memory_saved != 0 or options[0].time_cost != 0:
+            raise ValueError(f"item {i}: option 0 must be the baseline (0 bytes saved, 0 time)")
+
+
+def solve_greedy(items: list[list[Option]], required: int) -> list[int] | None:
+    _check(items)
+    choice = [0] * len(items)
+    saved = 0
+    if sum(max(o.memory_saved for o in opts) for opts in items) < required:
+        return None
+    while saved < required:
+        best = None
+        for i, options in enumerate(items):
+            current = options[choice[i]]
+            for j, opt in enumerate(options):
+                gain = opt.memory_saved - current.memory_saved
+                if gain <= 0:
+                    continue
+                # Enough to finish: prefer the cheapest such move outright.
+                finishes = saved + gain >= required
+                ratio = (opt.time_cost - current.time_cost) / gain
+                key = (not finishes, (opt.time_cost - current.time_cost) if finishes else ratio)
+                if best is None or key < best[0]:
+                    best = (key, i, j, gain)
+        if best is None:
+            return None
+        _, i, j, gain = best
+        choice[i] = j
+        saved += gain
+    return choice
+
+
+def solve_exact(items: list[list[Option]], required: int) -> list[int] | None:
+    _check(items)
+    # front: saved (capped at required) -> (time, choices)
+    front: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    for options in items:
+        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for saved, (time, picks) in front.items():
+            for j, opt in enumerate(options):
+                s = min(required, saved + opt.memory_saved)
+                t = time + opt.time_cost
+                if s not in nxt or t < nxt[s][0]:
+                    nxt[s] = (t, picks + (j,))
+        # Pareto prune: drop states that save less and cost at least as much.
+        pruned: dict[int, tuple[float, tuple[int, ...]]] = {}
+        best_time = float("inf")
+        for s in sorted(nxt, reverse=True):
+            t, picks = nxt[s]
+            if t < best_time:
+                pruned[s] = (t, picks)
+                best_time = t
+        front = pruned
+    if required <= 0:
+        return [0] * len(items)
+    if required not in front:
+        return None
+    return list(front[required][1])
+
+
+SOLVERS = {"greedy": solve_greedy, "exact": solve_exact}

@@ -1,0 +1,67 @@
+"""Table tests for the planner's pure solvers."""
+import itertools
+
+import pytest
+
+from megacompile.solvers import Option, solve_exact, solve_greedy
+
+B = Option("keep", 0, 0.0)
+
+
+def brute_force(items, required):
+    best = None
+    for picks in itertools.product(*(range(len(o)) for o in items)):
+        saved = sum(items[i][j].memory_saved for i, j in enumerate(picks))
+        cost = sum(items[i][j].time_cost for i, j in enumerate(picks))
+        if saved >= required and (best is None or cost < best[0]):
+            best = (cost, list(picks))
+    return best
+
+
+TABLE = [
+    # (items, required, expected exact cost)
+    ([[B, Option("r", 10, 1.0)]], 5, 1.0),
+    ([[B, Option("r", 10, 1.0)]], 0, 0.0),
+    ([[B, Option("r", 10, 1.0), Option("o", 10, 0.5)]], 10, 0.5),
+    # Greedy by ratio takes the cheap-per-byte big item; exact finds two small ones cheaper.
+    ([[B, Option("r", 100, 10.0)], [B, Option("r", 30, 2.0)], [B, Option("r", 30, 2.0)]], 60, 4.0),
+    ([[B, Option("r", 4, 4.0), Option("o", 8, 5.0)], [B, Option("r", 4, 1.0)], [B, Option("o", 6, 3.0)]], 12, 6.0),
+]
+
+
+@pytest.mark.parametrize("items,required,cost", TABLE)
+def test_exact_matches_brute_force(items, required, cost):
+    picks = solve_exact(items, required)
+    assert picks is not None
+    got = sum(items[i][j].time_cost for i, j in enumerate(picks))
+    assert got == pytest.approx(cost)
+    assert brute_force(items, required)[0] == pytest.approx(cost)
+    assert sum(items[i][j].memory_saved for i, j in enumerate(picks)) >= required
+
+
+@pytest.mark.parametrize("items,required,cost", TABLE)
+def test_greedy_is_feasible_and_never_beats_exact(items, required, cost):
+    picks = solve_greedy(items, required)
+    assert picks is not None
+    assert sum(items[i][j].memory_saved for i, j in enumerate(picks)) >= required
+    assert sum(items[i][j].time_cost for i, j in enumerate(picks)) >= cost - 1e-12
+
+
+def test_infeasible_returns_none():
+    items = [[B, Option("r", 3, 1.0)], [B, Option("r", 3, 1.0)]]
+    assert solve_exact(items, 7) is None
+    assert solve_greedy(items, 7) is None
+
+
+def test_baseline_must_come_first():
+    with pytest.raises(ValueError, match="baseline"):
+        solve_exact([[Option("r", 3, 1.0)]], 1)
+
+
+def test_cost_never_increases_as_requirement_drops():
+    items = [[B, Option("r", 5 * k, float(k)), Option("o", 3 * k, 0.3 * k)] for k in range(1, 7)]
+    costs = []
+    for required in range(0, 120, 7):
+        picks = solve_exact(items, required)
+        costs.append(sum(items[i][j].time_cost for i, j in enumerate(picks)) if picks else float("inf"))
+    assert costs == sorted(costs)
