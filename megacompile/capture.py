@@ -32,10 +32,6 @@ _graph_counter = itertools.count()
 COMPILED: list["CompiledGraph"] = []
 
 
-def _policies(options: Options) -> list[str]:
-    return {"auto": ["keep", "recompute"], "never": ["keep"], "always": ["recompute"]}[options.recompute]
-
-
 @dataclasses.dataclass
 class CompiledGraph:
     label: str
@@ -124,10 +120,12 @@ class TrainingCompiler:
 
     # --- AOTAutograd callbacks ----------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_unused):
+        from .hardware import get_profile
+        from .planner import Attempt, plan_training
+
         joint._megatrain_num_fwd_outputs = num_fwd_outputs
-        attempts: list[tuple[TrainingPlan, fx.GraphModule, fx.GraphModule, list]] = []
-        for policy in _policies(self.options):
-            plan = TrainingPlan(policy=policy, budget=self.options.memory_budget)
+
+        def build(plan: TrainingPlan) -> Attempt:
             jctx = self._ctx("joint", plan)
             run_passes(joint, jctx)
             by_name = {n.name: n for n in joint.graph.nodes}
@@ -141,31 +139,20 @@ class TrainingCompiler:
             run_passes(bw, bctx)
             plan.forward = estimate_memory(fw, keep_outputs_alive=True)
             plan.backward = estimate_memory(bw, keep_outputs_alive=False)
-            attempts.append((plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots))
-            budget = self.options.memory_budget
-            if budget is None or plan.peak_bytes <= budget:
-                if len(attempts) > 1:
-                    plan.reason = (
-                        f"policy '{attempts[0][0].policy}' needs {format_bytes(attempts[0][0].peak_bytes)} > budget "
-                        f"{format_bytes(budget)}; saving only layer inputs and recomputing in backward"
-                    )
-                break
-        else:
-            best = min(attempts, key=lambda a: a[0].peak_bytes)[0]
-            raise BudgetError(
-                f"megatrain: memory_budget={format_bytes(self.options.memory_budget)} is too small for this "
-                f"training step. The smallest plan needs {format_bytes(best.peak_bytes)} "
-                f"({best.peak_bytes} bytes) of device memory, set by layer '{best.limiting_layer}' "
-                f"(policy '{best.policy}'). Raise memory_budget to at least {best.peak_bytes}, or shrink that "
-                f"layer's working set (smaller batch or sequence length).",
-                minimum_budget=best.peak_bytes,
-                limiting_layer=str(best.limiting_layer),
-            )
-        plan, fw, bw, snapshots = attempts[-1]
-        self.record.plan, self.record.forward, self.record.backward = plan, fw, bw
-        self.record.snapshots = snapshots
+            return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
+
+        # Annotate once to learn the layers in forward order.
+        run_passes(joint, self._ctx("joint", TrainingPlan()), keep_snapshots=False)
+        layers: list[str] = []
+        for node in joint.graph.nodes:
+            layer = info(node).layer if node.op == "call_function" and compat.is_forward_tagged(node) else None
+            if layer and layer not in layers:
+                layers.append(layer)
+        chosen = plan_training(build, layers, self.options, get_profile(self.options.hardware_profile()))
+        self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
+        self.record.snapshots = chosen.snapshots
         COMPILED.append(self.record)
-        return fw, bw
+        return chosen.forward, chosen.backward
 
     # AOTAutograd compiles the backward lazily, inside ``loss.backward()`` within the user's
     # compiled frame; without ``disable`` Dynamo would trace our lowering code itself.

@@ -18,6 +18,7 @@ DEVICES = ("cuda", "cpu")
 PRECISIONS = ("fp32",)
 LOWERINGS = ("inductor", "eager")
 RECOMPUTE_POLICIES = ("auto", "always", "never")
+SOLVER_NAMES = ("exact", "greedy")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -66,14 +67,32 @@ class Options:
     lowering: str = "inductor"
     # How many layers ahead parameters are loaded (1 = double buffering).
     prefetch_depth: int = 1
-    # "auto": recompute only when saved activations would not fit the budget.
+    # "auto": the planner decides keep / offload / recompute per layer, only when saved
+    # activations do not fit; "never": keep or offload only; "always": recompute every layer.
     recompute: str = "auto"
+    # The planner's solver (see megacompile.solvers).
+    solver: str = "exact"
+    # Hardware profile for the cost model: a built-in name or a calibrate JSON path; None
+    # picks one for the device.
+    hardware: str | None = None
     # Pass names to switch off, for bisecting (see megacompile.passes.PASS_ORDER).
     disable_passes: tuple[str, ...] = ()
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    def hardware_profile(self) -> str:
+        if self.hardware is not None:
+            return self.hardware
+        if self.device == "cpu":
+            return "cpu-standin"
+        name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+        for key, profile in (("gh200", "gh200"), ("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
+                             ("a100", "a100-80gb"), ("4090", "rtx-4090"), ("3090", "rtx-3090")):
+            if key in name:
+                return profile
+        return "h100-sxm"
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -115,6 +134,16 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         kw["prefetch_depth"] = depth
     if "recompute" in raw:
         kw["recompute"] = _choice("recompute", raw["recompute"], RECOMPUTE_POLICIES)
+    if "solver" in raw:
+        kw["solver"] = _choice("solver", raw["solver"], SOLVER_NAMES)
+    if raw.get("hardware") is not None:
+        from .hardware import get_profile
+
+        try:
+            get_profile(raw["hardware"])
+        except ValueError as e:
+            raise OptionsError(f"option hardware={raw['hardware']!r}: {e}") from None
+        kw["hardware"] = raw["hardware"]
     if "disable_passes" in raw:
         names = raw["disable_passes"]
         if isinstance(names, str):

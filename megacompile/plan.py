@@ -31,7 +31,12 @@ class MemoryEstimate:
 
 @dataclasses.dataclass
 class TrainingPlan:
-    policy: str = "keep"  # keep | recompute
+    policy: str = "keep"  # a summary: keep | recompute | offload | per-layer (...)
+    # Per-layer decision (keep | offload | recompute); layers not listed use default_policy.
+    default_policy: str = "keep"
+    layer_policy: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The solver's price of each layer's chosen option (bytes freed, seconds added).
+    layer_costs: dict[str, dict] = dataclasses.field(default_factory=dict)
     budget: int | None = None
     saved_values: list[str] = dataclasses.field(default_factory=list)
     saved_sym_nodes: list[str] = dataclasses.field(default_factory=list)

@@ -72,9 +72,9 @@ def run(gm: fx.GraphModule, ctx) -> None:
                 ni.phase = "backward"
             else:
                 # A value the forward saved for the backward (its NodeInfo was copied from
-                # the forward node). Saved values are device activations.
+                # the forward node): a device activation, unless the plan offloaded it.
                 ni.role = "saved"
-                ni.placement = "device"
+                ni.placement = "host" if ni.decision == "offload" else "device"
             set_nbytes(ni, node.meta.get("val"))
         elif node.op == "call_function" and not is_memory_op(node):
             ni.layer = layer_of_module_path(_module_path(node))

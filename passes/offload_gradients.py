@@ -34,9 +34,16 @@ def run(gm: fx.GraphModule, ctx) -> None:
     graph = gm.graph
     output = next(iter(graph.find_nodes(op="output")))
     outs = list(output.args[0])
-    limit = len(outs) if ctx.stage != "forward" else ctx.num_user_outputs
+    if ctx.stage == "forward":
+        # User outputs, and the saved activations the plan puts on the host.
+        indices = list(range(ctx.num_user_outputs)) + [
+            i for i in range(ctx.num_user_outputs, len(outs))
+            if isinstance(outs[i], fx.Node) and info(outs[i]).decision == "offload"
+        ]
+    else:
+        indices = list(range(len(outs)))
     offloaded: dict[fx.Node, fx.Node] = {}
-    for index in range(limit):
+    for index in indices:
         value = outs[index]
         if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
             continue
@@ -45,7 +52,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         if value in offloaded:
             outs[index] = offloaded[value]
             continue
-        label = _output_label(ctx, index)
+        label = _output_label(ctx, index) if index < ctx.num_user_outputs or ctx.stage != "forward" else f"act.{value.name}"
         name = identifier(label)
         with graph.inserting_after(value):
             host = graph.create_node("call_function", ops.offload, (value, label), name=f"offload__{name}")
@@ -54,13 +61,16 @@ def run(gm: fx.GraphModule, ctx) -> None:
             layer=info(value).layer, role="memory", phase=info(value).phase, placement="host",
             source=label, decision="offload",
             reason="gradient leaves the device as soon as it is produced" if ctx.stage == "backward"
-            else "returned to the user on the host",
+            else "returned to the user on the host" if index < ctx.num_user_outputs
+            else "saved activation kept on the host until the backward",
         )
         set_nbytes(host.meta["megatrain"], value.meta["val"])
         # The device copy dies after its last use (the offload itself, unless the forward
         # also saves it for the backward).
         users = [u for u in value.users if u is not output and u is not host]
-        keeps_on_device = ctx.stage == "forward" and value in outs[ctx.num_user_outputs:]
+        keeps_on_device = ctx.stage == "forward" and any(
+            o is value and info(o).decision != "offload" for o in outs[ctx.num_user_outputs:]
+        )
         if not keeps_on_device:
             order = _order(graph)
             last = max(users + [host], key=order.__getitem__)

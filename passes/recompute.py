@@ -5,7 +5,10 @@ whether it is saved (a device activation that lives from forward to backward) or
 in the backward, and record the decision and its reason in NodeInfo. The partitioner then
 splits the joint graph with exactly these saved values.
 
-- ``keep``: save every activation the backward reads.
+The plan gives a policy per layer (``plan.layer_policy``):
+- ``keep``: save every activation of the layer the backward reads, on the device.
+- ``offload``: save them too, but on the host: offload_gradients copies them out in the
+  forward and stream_parameters loads them back before the backward needs them.
 - ``recompute``: save only the values that cross a layer boundary (each layer's inputs), so a
   layer's internals are replayed in backward from its input.
 In both, views of host inputs (``t(weight)``) are never saved: the backward re-derives them
@@ -86,7 +89,9 @@ def _mark(node: fx.Node, decision: str, reason: str) -> None:
     ni.decision, ni.reason = decision, reason
 
 
-def choose_saved(joint: fx.GraphModule, policy: str) -> tuple[list[fx.Node], list[fx.Node]]:
+def choose_saved(joint: fx.GraphModule, layer_policy: dict[str, str],
+                 default_policy: str = "keep") -> tuple[list[fx.Node], list[fx.Node]]:
+    """The values the forward saves, under a keep / recompute / offload policy per layer."""
     fwd = forward_nodes(joint)
     fwd_set = set(fwd)
     in_backward = lambda n: n not in fwd_set and n.op != "output"  # noqa: E731
@@ -107,10 +112,16 @@ def choose_saved(joint: fx.GraphModule, policy: str) -> tuple[list[fx.Node], lis
     view_memo: dict = {}
     saved: dict[fx.Node, None] = {}
 
+    def policy_of(n: fx.Node) -> str:
+        return layer_policy.get(info(n).layer, default_policy)
+
     def save(n: fx.Node, reason: str) -> None:
         if n not in saved:
             saved[n] = None
-            _mark(n, "save", reason)
+            if n.op != "placeholder" and policy_of(n) == "offload":
+                _mark(n, "offload", f"layer '{info(n).layer}' offloads its saved activations to the host")
+            else:
+                _mark(n, "save", reason)
 
     def layer(n: fx.Node) -> str | None:
         return info(n).layer
@@ -138,8 +149,9 @@ def choose_saved(joint: fx.GraphModule, policy: str) -> tuple[list[fx.Node], lis
             # Save a tuple op's outputs, never the tuple itself.
             worklist.extend(u for u in n.users if u.target is operator.getitem and u in fwd_set)
             continue
-        if n.op == "placeholder" or random or policy == "keep":
-            save(n, "random op: replay would differ" if random else "policy keep")
+        policy = policy_of(n)
+        if n.op == "placeholder" or random or policy != "recompute":
+            save(n, "random op: replay would differ" if random else f"layer policy {policy}")
             continue
         if crosses_layer(n) or not n.all_input_nodes:
             save(n, "layer boundary: the backward replays the layer from it")
@@ -203,7 +215,7 @@ def _sink_recomputed(gm: fx.GraphModule) -> None:
 
 def run(gm: fx.GraphModule, ctx) -> None:
     if ctx.stage == "joint":
-        saved, saved_sym = choose_saved(gm, ctx.plan.policy)
+        saved, saved_sym = choose_saved(gm, ctx.plan.layer_policy, ctx.plan.default_policy)
         ctx.plan.saved_values = [n.name for n in saved]
         ctx.plan.saved_sym_nodes = [n.name for n in saved_sym]
     else:

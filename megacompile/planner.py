@@ -1,0 +1,170 @@
+"""The planner: one device budget, a keep / offload / recompute decision per layer.
+
+``plan_training`` searches for the fastest plan that fits, using the real pipeline to check
+each candidate (``build`` partitions the joint graph under a plan, runs the passes and
+estimates the peak), so a chosen plan's predicted peak is the one the runtime will see:
+
+1. Keep everything. If it fits, that is the plan: no recompute, no activation offload.
+2. Otherwise price each layer's options from the keep plan and an all-recompute plan:
+   offloading a layer's saved activations frees their bytes and costs the copies both ways;
+   recomputing frees all but its boundary inputs and costs its forward again. A solver
+   (``options.solver``: exact or greedy, see ``solvers.py``) picks the cheapest set that frees
+   enough; if the built plan still overshoots (the peak is not a plain sum), the target grows
+   by the overshoot and the solver runs again.
+3. Fall back to the most aggressive plans (offload all, recompute all). If none fits,
+   ``BudgetError`` names the smallest peak any plan reached and the layer that sets it.
+
+Decisions and their reasons land in ``NodeInfo.decision`` / ``reason`` (shown by inspect);
+the per-layer choice and its price are in ``TrainingPlan.layer_policy`` / ``layer_costs``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch.fx as fx
+
+from .errors import BudgetError
+from .node_info import has_info, info
+from .options import format_bytes
+from .plan import TrainingPlan
+from .solvers import SOLVERS, Option
+
+
+@dataclasses.dataclass
+class Attempt:
+    plan: TrainingPlan
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    snapshots: list
+
+    @property
+    def peak(self) -> int:
+        return self.plan.peak_bytes
+
+
+def _saved_device_bytes_by_layer(attempt: Attempt) -> dict[str, int]:
+    out: dict[str, int] = {}
+    saved = set(attempt.plan.saved_values)
+    for node in attempt.forward.graph.nodes:
+        if node.name in saved and has_info(node) and info(node).layer and info(node).role == "compute":
+            out[info(node).layer] = out.get(info(node).layer, 0) + info(node).nbytes_hint
+    return out
+
+
+def _node_flops(node: fx.Node) -> int:
+    try:
+        from .cost_model import node_flops
+    except ImportError:  # the cost model is optional for planning: count matmuls directly
+        from torch.utils.flop_counter import flop_registry
+
+        fn = flop_registry.get(getattr(node.target, "overloadpacket", None))
+        if fn is None:
+            return 0
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        try:
+            return int(fn(*args, out_val=node.meta.get("val"), **kwargs))
+        except Exception:
+            return 0
+    return node_flops(node)
+
+
+def _forward_seconds_by_layer(gm: fx.GraphModule, profile) -> dict[str, float]:
+    node_flops = _node_flops
+
+    flops_per_s = profile.device_flops_fp32
+    out: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and has_info(node) and info(node).layer and info(node).role == "compute":
+            out[info(node).layer] = out.get(info(node).layer, 0.0) + node_flops(node) / flops_per_s
+    return out
+
+
+def plan_training(
+    build: Callable[[TrainingPlan], Attempt],
+    layers: list[str],
+    options,
+    profile,
+) -> Attempt:
+    budget = options.memory_budget
+    allow_recompute = options.recompute != "never"
+
+    def make(default: str, per_layer: dict[str, str] | None = None, name: str = "") -> Attempt:
+        plan = TrainingPlan(policy=name or default, budget=budget, default_policy=default,
+                            layer_policy=dict(per_layer or {}))
+        return build(plan)
+
+    def fits(a: Attempt) -> bool:
+        return budget is None or a.peak <= budget
+
+    attempts: list[Attempt] = []
+    if options.recompute == "always":
+        a = make("recompute")
+        attempts.append(a)
+        if fits(a):
+            return a
+        _raise(attempts, budget)
+
+    keep = make("keep")
+    attempts.append(keep)
+    if fits(keep):
+        return keep
+
+    # Price each layer's options.
+    keep_bytes = _saved_device_bytes_by_layer(keep)
+    link = 1.0 / profile.d2h_bandwidth + 1.0 / profile.h2d_bandwidth
+    recompute_all = make("recompute") if allow_recompute else None
+    if recompute_all is not None:
+        attempts.append(recompute_all)
+        boundary_bytes = _saved_device_bytes_by_layer(recompute_all)
+        fwd_seconds = _forward_seconds_by_layer(keep.forward, profile)
+    items: list[list[Option]] = []
+    for layer in layers:
+        k = keep_bytes.get(layer, 0)
+        opts = [Option("keep", 0, 0.0), Option("offload", k, k * link)]
+        if recompute_all is not None:
+            opts.append(Option("recompute", max(0, k - boundary_bytes.get(layer, 0)), fwd_seconds.get(layer, 0.0)))
+        items.append(opts)
+    solver = SOLVERS[options.solver]
+    required = keep.peak - budget
+    for _ in range(8):
+        picks = solver(items, required)
+        if picks is None:
+            break
+        per_layer = {layer: items[i][j].name for i, (layer, j) in enumerate(zip(layers, picks))}
+        counts = {p: sum(1 for v in per_layer.values() if v == p) for p in ("keep", "offload", "recompute")}
+        a = make("keep", per_layer, name="per-layer (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")")
+        a.plan.layer_costs = {layer: dataclasses.asdict(items[i][j]) for i, (layer, j) in enumerate(zip(layers, picks))}
+        attempts.append(a)
+        if fits(a):
+            a.plan.reason = (
+                f"keeping every activation needs {format_bytes(keep.peak)} > budget {format_bytes(budget)}; "
+                f"the {options.solver} solver chose per-layer keep/offload/recompute to free "
+                f"{format_bytes(required)} at the least predicted time"
+            )
+            return a
+        required += a.peak - budget
+
+    for fallback in (("offload", "all layers offload"), ("recompute", "all layers recompute")):
+        if fallback[0] == "recompute" and not allow_recompute:
+            continue
+        a = recompute_all if fallback[0] == "recompute" and recompute_all is not None else make(fallback[0])
+        if a not in attempts:
+            attempts.append(a)
+        if fits(a):
+            a.plan.reason = f"the solver's plans overshot the budget; falling back to {fallback[1]}"
+            return a
+    _raise(attempts, budget)
+
+
+def _raise(attempts: list[Attempt], budget: int | None) -> None:
+    best = min(attempts, key=lambda a: a.peak).plan
+    raise BudgetError(
+        f"megatrain: memory_budget={format_bytes(budget)} is too small for this training step. "
+        f"The smallest plan needs {format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes) of device "
+        f"memory, set by layer '{best.limiting_layer}' (plan '{best.policy}'). Raise memory_budget to at "
+        f"least {best.peak_bytes}, or shrink that layer's working set (smaller batch or sequence length, "
+        f"or prefetch_depth=0).",
+        minimum_budget=best.peak_bytes,
+        limiting_layer=str(best.limiting_layer),
+    )
