@@ -1,0 +1,581 @@
+"""The time half of the cost model: FLOPs and bytes per node, a lane simulation, step time.
+
+Each op of a rewritten program gets a ``NodeCost`` under ``node.meta["megatrain_cost"]``
+(``COST_KEY``): its FLOPs (``torch.utils.flop_counter``'s per-op formulas, evaluated on the
+fake tensors' sizes at the traced example), the bytes it reads and writes, and its time on
+a ``HardwareProfile``:
+
+- compute ops: roofline ``max(flops / device FLOP/s, bytes / HBM bandwidth)`` plus a per-op
+  launch overhead (``launch_overhead_s``) for every op that runs a kernel;
+- ``load``: bytes / h2d bandwidth on the ``h2d`` lane; ``offload``: bytes / d2h bandwidth on
+  the ``d2h`` lane; ``wait`` / ``evict``: no time of their own.
+
+``simulate`` replays one program in node order the way the streaming runtime runs it: one
+compute lane, one FIFO copy lane each way; a ``load`` is issued when the compute lane reaches
+it, a ``wait`` stalls the compute lane until the copy has landed. ``step_time`` chains
+forward, backward and the (today synchronous) host optimizer, and compares the result with
+the roofline floor of the mission: max(compute, link bytes / link bandwidth each way, host
+optimizer bytes / host memory bandwidth).
+
+All sizes are evaluated at the traced example (``int_hint``), so symbolic shapes work; no
+tensor is allocated (ops are costed from fake tensor metadata; the rare op that is costed by
+decomposition runs on ``meta`` tensors).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx as fx
+from torch.utils import flop_counter as _fc
+
+from . import ops
+from ._torch_compat import int_hint
+from .hardware import ADAMW_BYTES_PER_PARAM, HardwareProfile
+from .node_info import has_info, info, is_view_node
+
+COST_KEY = "megatrain_cost"
+
+LANES = ("compute", "h2d", "d2h")
+STEP_LANES = ("compute", "h2d", "d2h", "host_optimizer")
+
+# Per-op launch overhead charged to every op that runs a kernel (views, tuple access and
+# SymInt arithmetic run none).
+# - GPU profiles, 5 us: eager PyTorch spends about 4-6 us of host time per CUDA kernel
+#   (dispatcher + cudaLaunchKernel) and the smallest kernels occupy the GPU for 2-3 us, so a
+#   stream of tiny ops is launch bound at roughly 5 us per op. We charge it per aten op, which
+#   is an upper bound under the Inductor lowering (it fuses pointwise chains into one kernel).
+# - CPU stand-in, 10 us: on the 2-core development VM a small aten op (addmm, gelu, add on a
+#   16x64 tensor, one thread) takes 5-10 us from Python including its arithmetic, and the eager
+#   executor adds a few us per instruction (argument resolution, tracker bookkeeping). The
+#   stand-in's memory-op instructions (~4 us each) are not charged: wait/evict cost nothing.
+#   Measured MLP forward (72 instructions, 14 kernels): 393 us best of 7; predicted 175 us.
+GPU_LAUNCH_OVERHEAD_S = 5e-6
+CPU_STANDIN_LAUNCH_OVERHEAD_S = 10e-6
+
+_PARAM_BYTES = {"fp32": 4, "bf16": 2}
+
+
+# --- per-node costs ---------------------------------------------------------------------
+@dataclasses.dataclass
+class NodeCost:
+    """What one node costs on one profile (``node.meta["megatrain_cost"]``)."""
+
+    flops: int = 0
+    # HBM bytes read + written (compute ops); bytes copied over the link (load/offload).
+    bytes_touched: int = 0
+    time_s: float = 0.0
+    lane: str = "compute"  # compute | h2d | d2h
+    profile: str = ""
+    precision: str = "fp32"
+
+
+def cost(node: fx.Node) -> NodeCost | None:
+    return node.meta.get(COST_KEY)
+
+
+def is_cpu_standin(profile: HardwareProfile) -> bool:
+    """The built-in stand-in and profiles calibrated without a GPU (same description)."""
+    return profile.name == "cpu-standin" or profile.description.startswith("CPU stand-in")
+
+
+def launch_overhead_s(profile: HardwareProfile) -> float:
+    return CPU_STANDIN_LAUNCH_OVERHEAD_S if is_cpu_standin(profile) else GPU_LAUNCH_OVERHEAD_S
+
+
+def device_flops(profile: HardwareProfile, precision: str = "fp32") -> float:
+    if precision == "fp32":
+        return float(profile.device_flops_fp32)
+    if precision == "bf16":
+        return float(profile.device_flops_bf16)
+    raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+
+
+def _hint_size(shape) -> torch.Size:
+    return torch.Size([int_hint(s) for s in shape])
+
+
+def _hinted(val: Any) -> Any:
+    """Fake tensors -> their sizes at the example; SymInts -> ints; containers recursively."""
+    if isinstance(val, torch.Tensor):
+        return _hint_size(val.shape)
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return int_hint(val) if isinstance(val, torch.SymInt) else val.node.hint
+    if isinstance(val, list):
+        return [_hinted(v) for v in val]
+    if isinstance(val, tuple):
+        return tuple(_hinted(v) for v in val)
+    return val
+
+
+def _as_meta(val: Any) -> Any:
+    """Fake tensors -> meta tensors of the example's sizes (nothing allocated, no guards)."""
+    if isinstance(val, torch.Tensor):
+        return torch.empty_strided(_hint_size(val.shape), _hint_size(val.stride()), dtype=val.dtype, device="meta")
+    if isinstance(val, torch.SymInt):
+        return int_hint(val)
+    if isinstance(val, torch.device):
+        return torch.device("meta")
+    if isinstance(val, list):
+        return [_as_meta(v) for v in val]
+    if isinstance(val, tuple):
+        return tuple(_as_meta(v) for v in val)
+    return val
+
+
+def _vals(node: fx.Node, convert) -> tuple[tuple, dict]:
+    def of(n: fx.Node) -> Any:
+        return convert(n.meta.get("val"))
+
+    args = fx.node.map_arg(node.args, of)
+    kwargs = fx.node.map_arg(node.kwargs, of)
+    if convert is _as_meta:  # constants too: a device argument must say meta
+        args, kwargs = _as_meta(args), {k: _as_meta(v) for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _formulas() -> dict:
+    table = dict(_fc.flop_registry)
+    # The CPU spelling of scaled_dot_product_attention: graphs are traced on the host (where
+    # megatrain keeps the parameters), so an attention that runs as flash attention on the
+    # GPU appears here as the CPU op, which FlopCounterMode does not count.
+    aten = torch.ops.aten
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", "sdpa_flop"),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward", "sdpa_backward_flop")):
+        if hasattr(aten, name) and hasattr(_fc, formula):
+            table.setdefault(getattr(aten, name), getattr(_fc, formula))
+    return table
+
+
+_FORMULAS: dict | None = None
+_DECOMPOSES: dict = {}
+
+
+def _decomposes(op: torch._ops.OpOverload) -> bool:
+    found = _DECOMPOSES.get(op)
+    if found is None:
+        try:
+            found = bool(op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
+        except Exception:
+            found = False
+        _DECOMPOSES[op] = found
+    return found
+
+
+_WARNED: set = set()
+
+
+def _warn_once(key: Any, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def _output_has_tensor(val: Any) -> bool:
+    if isinstance(val, torch.Tensor):
+        return True
+    if isinstance(val, (list, tuple)):
+        return any(_output_has_tensor(v) for v in val)
+    return False
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one aten op node, from its fake tensors at the example's sizes.
+
+    The formulas are ``torch.utils.flop_counter``'s (2*M*N*K for a matmul); an op without a
+    formula that PyTorch decomposes (CompositeImplicitAutograd) is counted the way
+    ``FlopCounterMode`` counts it, by running the decomposition on meta tensors. Everything
+    else (pointwise, reductions, views, memory ops, SymInt arithmetic) is 0.
+    """
+    global _FORMULAS
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0
+    if target in ops.MEMORY_OPS or "val" not in node.meta:
+        return 0
+    if any("val" not in n.meta for n in node.all_input_nodes):
+        return 0
+    if _FORMULAS is None:
+        _FORMULAS = _formulas()
+    formula = _FORMULAS.get(target.overloadpacket)
+    if formula is not None:
+        try:
+            if hasattr(formula, "__wrapped__"):  # shape formula (shape_wrapper): sizes suffice
+                args, kwargs = _vals(node, _hinted)
+                return int(formula(*args, **kwargs, out_val=_hinted(node.meta["val"])))
+            # Raw formulas (flash/efficient attention) read tensor attributes: give them the
+            # fake tensors and take the example's value of a symbolic result.
+            args, kwargs = _vals(node, lambda v: v)
+            return int_hint(formula(*args, **kwargs, out_val=node.meta["val"]))
+        except Exception as e:  # a cost estimate must not fail a compile
+            _warn_once(target, f"megatrain cost model: no FLOP count for {target} ({type(e).__name__}: {e}); using 0")
+            return 0
+    if _decomposes(target):
+        try:
+            args, kwargs = _vals(node, _as_meta)
+            with _fc.FlopCounterMode(display=False) as counter:
+                if target.decompose(*args, **kwargs) is NotImplemented:
+                    return 0
+            return int(counter.get_total_flops())
+        except Exception:
+            return 0
+    return 0
+
+
+def _tensor_bytes(val: Any) -> int:
+    """Bytes of the distinct elements a tensor addresses (broadcast dims, stride 0, count once)."""
+    if isinstance(val, torch.Tensor):
+        n = 1
+        for size, stride in zip(val.shape, val.stride()):
+            if int_hint(stride) != 0:
+                n *= int_hint(size)
+        return n * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in val)
+    return 0
+
+
+def node_bytes_touched(node: fx.Node) -> int:
+    """Bytes an op reads and writes, at the example's sizes.
+
+    Compute ops: every distinct tensor input once plus the outputs. ``load`` / ``offload``:
+    the bytes copied (what their link lane moves). 0 for views, tuple access, ``wait``,
+    ``evict``, SymInt arithmetic and ops without a tensor result.
+    """
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0
+    out = node.meta.get("val")
+    if target in (ops.load, ops.offload):
+        return _tensor_bytes(out)
+    if target in ops.MEMORY_OPS or is_view_node(node) or not _output_has_tensor(out):
+        return 0
+    read = sum(_tensor_bytes(n.meta.get("val")) for n in dict.fromkeys(node.all_input_nodes))
+    return read + _tensor_bytes(out)
+
+
+def _lane(node: fx.Node) -> str:
+    if node.target is ops.load:
+        return "h2d"
+    if node.target is ops.offload:
+        return "d2h"
+    return "compute"
+
+
+def annotate_costs(gm: fx.GraphModule, profile: HardwareProfile, precision: str = "fp32", *,
+                   launch_overhead: float | None = None) -> None:
+    """Store a ``NodeCost`` under ``node.meta["megatrain_cost"]`` for every call_function node.
+
+    ``launch_overhead``: seconds per kernel-running op; default ``launch_overhead_s(profile)``.
+    """
+    peak = device_flops(profile, precision)
+    overhead = launch_overhead_s(profile) if launch_overhead is None else float(launch_overhead)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        lane = _lane(node)
+        flops = node_flops(node)
+        nbytes = node_bytes_touched(node)
+        if lane == "h2d":
+            time_s = nbytes / profile.h2d_bandwidth
+        elif lane == "d2h":
+            time_s = nbytes / profile.d2h_bandwidth
+        elif node.target in (ops.wait, ops.evict) or (flops == 0 and nbytes == 0):
+            time_s = 0.0
+        else:
+            time_s = max(flops / peak, nbytes / profile.hbm_bandwidth) + overhead
+        node.meta[COST_KEY] = NodeCost(flops=flops, bytes_touched=nbytes, time_s=time_s, lane=lane,
+                                       profile=profile.name, precision=precision)
+
+
+# --- the lane simulation ----------------------------------------------------------------
+class TimelineEvent(NamedTuple):
+    lane: str  # compute | h2d | d2h | stall (compute lane waiting for a copy) | host_optimizer
+    name: str
+    start_s: float
+    end_s: float
+
+
+@dataclasses.dataclass
+class LayerTime:
+    compute_s: float = 0.0
+    h2d_s: float = 0.0
+    d2h_s: float = 0.0
+    exposed_wait_s: float = 0.0
+
+    def add(self, other: "LayerTime") -> None:
+        self.compute_s += other.compute_s
+        self.h2d_s += other.h2d_s
+        self.d2h_s += other.d2h_s
+        self.exposed_wait_s += other.exposed_wait_s
+
+
+@dataclasses.dataclass
+class LaneTimeline:
+    total_s: float = 0.0  # when the last lane finished
+    compute_s: float = 0.0  # busy time per lane
+    h2d_s: float = 0.0
+    d2h_s: float = 0.0
+    exposed_wait_s: float = 0.0  # compute lane idle, waiting for copies
+    flops: int = 0
+    # FLOPs of ops replayed in the backward (NodeInfo.phase == "recompute"); included in flops.
+    recompute_flops: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    loads: int = 0
+    offloads: int = 0
+    bottleneck: str = "compute"
+    per_layer: dict[str, LayerTime] = dataclasses.field(default_factory=dict, repr=False)
+    events: list[TimelineEvent] = dataclasses.field(default_factory=list, repr=False)
+
+    def lane_s(self) -> dict[str, float]:
+        return {"compute": self.compute_s, "h2d": self.h2d_s, "d2h": self.d2h_s}
+
+
+def _bottleneck(lane_s: dict[str, float]) -> str:
+    return max(lane_s, key=lambda k: lane_s[k])  # ties: the first listed (compute)
+
+
+def _layer_key(node: fx.Node) -> str:
+    layer = info(node).layer if has_info(node) else None
+    return layer or "(glue)"
+
+
+def _copy_of(node: Any, done: dict) -> fx.Node | None:
+    """The load/offload whose copy ``node`` (or the base it views) is."""
+    seen = 0
+    while isinstance(node, fx.Node) and seen < 64:
+        if node in done:
+            return node
+        tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if node.op != "call_function" or not is_view_node(node) or not tensors:
+            return None
+        node, seen = tensors[0], seen + 1
+    return None
+
+
+def simulate(gm: fx.GraphModule, profile: HardwareProfile, precision: str = "fp32", *,
+             synchronous_copies: bool | None = None, launch_overhead: float | None = None,
+             start_s: float = 0.0) -> LaneTimeline:
+    """Replay one rewritten program on the profile's lanes, in node order.
+
+    - compute ops run one after another on the compute lane;
+    - ``load`` is issued when the compute lane reaches it and starts when the h2d lane is
+      free (FIFO); ``offload`` likewise on the d2h lane, not before its input is produced;
+    - ``wait`` on a copy stalls the compute lane until that copy has finished (the stall is
+      the exposed wait); ``evict`` costs nothing.
+
+    ``synchronous_copies``: copies run on the compute lane's thread and block it, as the CPU
+    stand-in device does; default: True for CPU stand-in profiles, False otherwise.
+    ``start_s`` shifts the whole timeline (events and ``total_s``), for chaining graphs.
+    """
+    annotate_costs(gm, profile, precision, launch_overhead=launch_overhead)
+    if synchronous_copies is None:
+        synchronous_copies = is_cpu_standin(profile)
+    tl = LaneTimeline()
+    t_compute = h2d_free = d2h_free = start_s
+    ready: dict[fx.Node, float] = {}  # when a value exists
+    done: dict[fx.Node, float] = {}  # when a copy (load / offload) has landed
+    end = start_s
+
+    def layer(node: fx.Node) -> LayerTime:
+        key = _layer_key(node)
+        if key not in tl.per_layer:
+            tl.per_layer[key] = LayerTime()
+        return tl.per_layer[key]
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            ready[node] = start_s
+            continue
+        if node.op != "call_function":
+            continue
+        c: NodeCost = node.meta[COST_KEY]
+        inputs_ready = max((ready.get(n, start_s) for n in node.all_input_nodes), default=start_s)
+        if node.target in (ops.load, ops.offload):
+            is_load = node.target is ops.load
+            lane_free = h2d_free if is_load else d2h_free
+            begin = max(lane_free, t_compute, inputs_ready)
+            finish = begin + c.time_s
+            if is_load:
+                h2d_free = finish
+                tl.h2d_s += c.time_s
+                tl.h2d_bytes += c.bytes_touched
+                tl.loads += 1
+                layer(node).h2d_s += c.time_s
+            else:
+                d2h_free = finish
+                tl.d2h_s += c.time_s
+                tl.d2h_bytes += c.bytes_touched
+                tl.offloads += 1
+                layer(node).d2h_s += c.time_s
+            if synchronous_copies:
+                t_compute = finish
+            done[node] = ready[node] = finish
+            tl.events.append(TimelineEvent("h2d" if is_load else "d2h", node.name, begin, finish))
+            end = max(end, finish)
+            continue
+        if node.target is ops.wait:
+            copy = _copy_of(node.args[0], done)
+            if copy is not None and done[copy] > t_compute:
+                stall = done[copy] - t_compute
+                tl.exposed_wait_s += stall
+                layer(node).exposed_wait_s += stall
+                tl.events.append(TimelineEvent("stall", node.name, t_compute, done[copy]))
+                t_compute = done[copy]
+            ready[node] = t_compute
+            continue
+        if node.target is ops.evict:
+            ready[node] = t_compute
+            continue
+        begin = t_compute
+        t_compute = begin + c.time_s
+        ready[node] = t_compute
+        if c.time_s > 0:
+            tl.compute_s += c.time_s
+            layer(node).compute_s += c.time_s
+            tl.events.append(TimelineEvent("compute", node.name, begin, t_compute))
+        tl.flops += c.flops
+        if has_info(node) and info(node).phase == "recompute":
+            tl.recompute_flops += c.flops
+    end = max(end, t_compute, h2d_free, d2h_free)
+    tl.total_s = end - start_s
+    tl.bottleneck = _bottleneck(tl.lane_s())
+    return tl
+
+
+# --- a whole training step --------------------------------------------------------------
+def roofline_floor(compute_s: float, h2d_bytes: float, d2h_bytes: float, host_optimizer_bytes: float,
+                   profile: HardwareProfile) -> float:
+    """The step time no schedule can beat (the mission's roofline): the slowest of compute,
+    bytes over the link each way at link bandwidth, and the host optimizer's bytes at host
+    memory bandwidth, all perfectly overlapped."""
+    return max(
+        float(compute_s),
+        h2d_bytes / profile.h2d_bandwidth,
+        d2h_bytes / profile.d2h_bandwidth,
+        host_optimizer_bytes / profile.host_memory_bandwidth,
+    )
+
+
+@dataclasses.dataclass
+class StepTimePrediction:
+    profile: str
+    precision: str
+    total_s: float
+    compute_s: float
+    h2d_s: float
+    d2h_s: float
+    host_optimizer_s: float
+    exposed_wait_s: float
+    bottleneck: str  # the busiest of compute | h2d | d2h | host_optimizer
+    flops: int  # executed, recompute included
+    model_flops: int  # recompute excluded: what MFU is computed from
+    h2d_bytes: int
+    d2h_bytes: int
+    optimizer_params: int
+    host_optimizer_bytes: int
+    achieved_flops_per_s: float  # flops / total_s
+    mfu: float  # model_flops / total_s / device peak
+    roofline_s: float  # roofline_floor(...) of this step
+    tokens: int | None = None
+    tokens_per_s: float | None = None
+    forward: LaneTimeline | None = dataclasses.field(default=None, repr=False)
+    backward: LaneTimeline | None = dataclasses.field(default=None, repr=False)
+    per_layer: dict[str, LayerTime] = dataclasses.field(default_factory=dict, repr=False)
+    events: list[TimelineEvent] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def achieved_tflops(self) -> float:
+        return self.achieved_flops_per_s / 1e12
+
+    def lane_s(self) -> dict[str, float]:
+        return {"compute": self.compute_s, "h2d": self.h2d_s, "d2h": self.d2h_s,
+                "host_optimizer": self.host_optimizer_s}
+
+    def summary(self) -> str:
+        ms = lambda s: f"{s * 1e3:.4g} ms"  # noqa: E731
+        head = f"predicted step on {self.profile} ({self.precision}): {ms(self.total_s)}"
+        if self.total_s > 0:
+            head += f" (roofline floor {ms(self.roofline_s)} = {self.roofline_s / self.total_s:.0%} of it)"
+        lines = [
+            head,
+            "  busy: " + ", ".join(f"{k} {ms(v)}" for k, v in self.lane_s().items())
+            + f"; exposed waits {ms(self.exposed_wait_s)}; bottleneck: {self.bottleneck}",
+            f"  moved: h2d {self.h2d_bytes} B, d2h {self.d2h_bytes} B; optimizer {self.optimizer_params} params",
+            f"  {self.flops / 1e9:.4g} GFLOP executed ({self.model_flops / 1e9:.4g} model):"
+            f" {self.achieved_tflops:.4g} TFLOPS achieved, MFU {self.mfu:.2%}",
+        ]
+        if self.tokens_per_s is not None:
+            lines.append(f"  {self.tokens} tokens/step: {self.tokens_per_s:,.0f} tokens/s")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def step_time(forward_gm: fx.GraphModule, backward_gm: fx.GraphModule | None, profile: HardwareProfile, *,
+              optimizer_param_bytes: int, precision: str = "fp32", tokens: int | None = None,
+              synchronous_copies: bool | None = None, launch_overhead: float | None = None) -> StepTimePrediction:
+    """Predicted time of one training step: forward, then backward, then the host optimizer.
+
+    The optimizer runs after the backward has finished (synchronous today) over
+    ``optimizer_param_bytes / bytes-per-param`` parameters at
+    ``profile.estimated_host_adamw_params_per_s()``.
+    """
+    kw = dict(synchronous_copies=synchronous_copies, launch_overhead=launch_overhead)
+    fwd = simulate(forward_gm, profile, precision, **kw)
+    bwd = simulate(backward_gm, profile, precision, start_s=fwd.total_s, **kw) if backward_gm is not None else None
+    graphs = [t for t in (fwd, bwd) if t is not None]
+    params = int(optimizer_param_bytes) // _PARAM_BYTES[precision]
+    opt_s = params / profile.estimated_host_adamw_params_per_s() if params else 0.0
+    opt_bytes = params * ADAMW_BYTES_PER_PARAM
+    device_end = sum(t.total_s for t in graphs)
+    events = [e for t in graphs for e in t.events]
+    if opt_s:
+        events.append(TimelineEvent("host_optimizer", "optimizer_step", device_end, device_end + opt_s))
+    total = device_end + opt_s
+    per_layer: dict[str, LayerTime] = {}
+    for t in graphs:
+        for key, row in t.per_layer.items():
+            per_layer.setdefault(key, LayerTime()).add(row)
+    compute_s = sum(t.compute_s for t in graphs)
+    flops = sum(t.flops for t in graphs)
+    model_flops = flops - sum(t.recompute_flops for t in graphs)
+    h2d_bytes = sum(t.h2d_bytes for t in graphs)
+    d2h_bytes = sum(t.d2h_bytes for t in graphs)
+    lanes = {"compute": compute_s, "h2d": sum(t.h2d_s for t in graphs), "d2h": sum(t.d2h_s for t in graphs),
+             "host_optimizer": opt_s}
+    achieved = flops / total if total > 0 else 0.0
+    return StepTimePrediction(
+        profile=profile.name, precision=precision, total_s=total,
+        compute_s=compute_s, h2d_s=lanes["h2d"], d2h_s=lanes["d2h"], host_optimizer_s=opt_s,
+        exposed_wait_s=sum(t.exposed_wait_s for t in graphs), bottleneck=_bottleneck(lanes),
+        flops=flops, model_flops=model_flops, h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
+        optimizer_params=params, host_optimizer_bytes=opt_bytes,
+        achieved_flops_per_s=achieved,
+        mfu=(model_flops / total / device_flops(profile, precision)) if total > 0 else 0.0,
+        roofline_s=roofline_floor(compute_s, h2d_bytes, d2h_bytes, opt_bytes, profile),
+        tokens=tokens, tokens_per_s=(tokens / total if tokens and total > 0 else None),
+        forward=fwd, backward=bwd, per_layer=per_layer, events=events,
+    )
+
+
+def predict_record(record, profile: HardwareProfile, *, tokens: int | None = None, **kw) -> StepTimePrediction:
+    """``step_time`` for a ``capture.CompiledGraph`` (its graphs, parameter bytes, precision)."""
+    return step_time(record.forward, record.backward, profile,
+                     optimizer_param_bytes=sum(record.param_bytes_by_layer.values()),
+                     precision=getattr(record.options, "precision", "fp32"), tokens=tokens, **kw)
+
+
+def chrome_trace(events: list[TimelineEvent]) -> dict:
+    """Events as a Chrome trace (chrome://tracing, Perfetto): one row per lane, microseconds."""
+    rows = {lane: i for i, lane in enumerate(("compute", "stall", "h2d", "d2h", "host_optimizer"))}
+    trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
+             for lane, tid in rows.items()]
+    for e in events:
+        trace.append({"name": e.name, "ph": "X", "pid": 0, "tid": rows.get(e.lane, len(rows)),
+                      "ts": e.start_s * 1e6, "dur": (e.end_s - e.start_s) * 1e6, "cat": e.lane})
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
