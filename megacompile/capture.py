@@ -23,7 +23,7 @@ from . import _torch_compat as compat
 from .errors import BudgetError
 from .node_info import info
 from .options import Options, format_bytes
-from .plan import TrainingPlan, estimate_memory
+from .plan import TrainingPlan, estimate_memory, storage_roots
 from .report import RECORDER, LayerRow, StepReport
 
 _graph_counter = itertools.count()
@@ -138,7 +138,7 @@ class TrainingCompiler:
             bctx = self._ctx("backward", plan)
             run_passes(bw, bctx)
             plan.forward = estimate_memory(fw, keep_outputs_alive=True)
-            plan.backward = estimate_memory(bw, keep_outputs_alive=False)
+            plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw))
             return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
 
         # Annotate once to learn the layers in forward order.
@@ -148,7 +148,16 @@ class TrainingCompiler:
             layer = info(node).layer if node.op == "call_function" and compat.is_forward_tagged(node) else None
             if layer and layer not in layers:
                 layers.append(layer)
-        chosen = plan_training(build, layers, self.options, get_profile(self.options.hardware_profile()))
+        profile = get_profile(self.options.hardware_profile())
+        param_bytes = sum(self.record.param_bytes_by_layer.values())
+
+        def predict_seconds(attempt: Attempt) -> float:
+            from .cost_model import step_time
+
+            return step_time(attempt.forward, attempt.backward, profile, optimizer_param_bytes=param_bytes,
+                             precision=self.options.precision).total_s
+
+        chosen = plan_training(build, layers, self.options, profile, predict_seconds)
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = chosen.snapshots
         COMPILED.append(self.record)

@@ -113,7 +113,14 @@ def is_view_node(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
+    if target in _UNDECLARED_VIEWS:
+        return True
     return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+
+
+# Ops whose schema promises a fresh tensor but whose kernels return a view of the input
+# (AOTAutograd emits _unsafe_view for reshapes of contiguous intermediates).
+_UNDECLARED_VIEWS = {torch.ops.aten._unsafe_view.default}
 
 
 # --- names ------------------------------------------------------------------------------

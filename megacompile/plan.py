@@ -37,6 +37,8 @@ class TrainingPlan:
     layer_policy: dict[str, str] = dataclasses.field(default_factory=dict)
     # The solver's price of each layer's chosen option (bytes freed, seconds added).
     layer_costs: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # The cost model's predicted step time of this plan (seconds), when the planner priced it.
+    predicted_seconds: float | None = None
     budget: int | None = None
     saved_values: list[str] = dataclasses.field(default_factory=list)
     saved_sym_nodes: list[str] = dataclasses.field(default_factory=list)
@@ -77,11 +79,29 @@ def _owned_bytes(node: fx.Node) -> int:
     return info(node).nbytes_hint
 
 
-def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None) -> MemoryEstimate:
+def storage_roots(gm: fx.GraphModule) -> dict[str, str]:
+    """Node name -> name of the node whose storage it views (itself if it owns one)."""
+    memo: dict = {}
+    return {n.name: _root(n, memo).name for n in gm.graph.nodes if n.op in ("placeholder", "call_function")}
+
+
+def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None,
+                    input_storage: dict[str, str] | None = None) -> MemoryEstimate:
+    """``input_storage``: for the backward, which saved inputs share one forward storage
+    (``storage_roots`` of the forward graph): they are one allocation, not several."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
     memo: dict = {}
+    if input_storage:
+        first_of: dict[str, fx.Node] = {}
+        for n in nodes:
+            if n.op == "placeholder" and n.name in input_storage:
+                key = input_storage[n.name]
+                if key in first_of:
+                    memo[n] = first_of[key]
+                else:
+                    first_of[key] = n
     birth: dict[fx.Node, int] = {}
     death: dict[fx.Node, int] = {}
     output = nodes[-1]

@@ -52,31 +52,15 @@ def _saved_device_bytes_by_layer(attempt: Attempt) -> dict[str, int]:
     return out
 
 
-def _node_flops(node: fx.Node) -> int:
-    try:
-        from .cost_model import node_flops
-    except ImportError:  # the cost model is optional for planning: count matmuls directly
-        from torch.utils.flop_counter import flop_registry
-
-        fn = flop_registry.get(getattr(node.target, "overloadpacket", None))
-        if fn is None:
-            return 0
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        try:
-            return int(fn(*args, out_val=node.meta.get("val"), **kwargs))
-        except Exception:
-            return 0
-    return node_flops(node)
-
-
 def _forward_seconds_by_layer(gm: fx.GraphModule, profile) -> dict[str, float]:
-    node_flops = _node_flops
+    """What replaying each layer's forward costs, by the cost model (roofline + launch)."""
+    from .cost_model import annotate_costs, cost
 
-    flops_per_s = profile.device_flops_fp32
+    annotate_costs(gm, profile)
     out: dict[str, float] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and has_info(node) and info(node).layer and info(node).role == "compute":
-            out[info(node).layer] = out.get(info(node).layer, 0.0) + node_flops(node) / flops_per_s
+            out[info(node).layer] = out.get(info(node).layer, 0.0) + cost(node).time_s
     return out
 
 
@@ -85,6 +69,7 @@ def plan_training(
     layers: list[str],
     options,
     profile,
+    predict_seconds: Callable[[Attempt], float],
 ) -> Attempt:
     budget = options.memory_budget
     allow_recompute = options.recompute != "never"
@@ -97,25 +82,30 @@ def plan_training(
     def fits(a: Attempt) -> bool:
         return budget is None or a.peak <= budget
 
-    attempts: list[Attempt] = []
     if options.recompute == "always":
         a = make("recompute")
-        attempts.append(a)
         if fits(a):
             return a
-        _raise(attempts, budget)
+        _raise([a], budget)
 
     keep = make("keep")
-    attempts.append(keep)
     if fits(keep):
         return keep
 
-    # Price each layer's options.
+    # The candidate ladder: built plans from least to most aggressive. Each is built for
+    # real, so its peak is the one the runtime will see, and priced by the cost model.
+    candidates: list[Attempt] = [keep]
+    offload_all = make("offload", name="offload (all layers)")
+    candidates.append(offload_all)
+    recompute_all = None
+    if allow_recompute:
+        recompute_all = make("recompute", name="recompute (all layers)")
+        candidates.append(recompute_all)
+    floor = min(c.peak for c in candidates)
+
     keep_bytes = _saved_device_bytes_by_layer(keep)
     link = 1.0 / profile.d2h_bandwidth + 1.0 / profile.h2d_bandwidth
-    recompute_all = make("recompute") if allow_recompute else None
     if recompute_all is not None:
-        attempts.append(recompute_all)
         boundary_bytes = _saved_device_bytes_by_layer(recompute_all)
         fwd_seconds = _forward_seconds_by_layer(keep.forward, profile)
     items: list[list[Option]] = []
@@ -126,35 +116,38 @@ def plan_training(
             opts.append(Option("recompute", max(0, k - boundary_bytes.get(layer, 0)), fwd_seconds.get(layer, 0.0)))
         items.append(opts)
     solver = SOLVERS[options.solver]
-    required = keep.peak - budget
-    for _ in range(8):
-        picks = solver(items, required)
-        if picks is None:
-            break
+    seen: set[tuple[str, ...]] = set()
+    for fraction in (0.2, 0.4, 0.6, 0.8, 1.0):
+        picks = solver(items, int((keep.peak - floor) * fraction) + 1)
+        if picks is None or tuple(picks) in seen:
+            continue
+        seen.add(tuple(picks))
         per_layer = {layer: items[i][j].name for i, (layer, j) in enumerate(zip(layers, picks))}
         counts = {p: sum(1 for v in per_layer.values() if v == p) for p in ("keep", "offload", "recompute")}
         a = make("keep", per_layer, name="per-layer (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")")
         a.plan.layer_costs = {layer: dataclasses.asdict(items[i][j]) for i, (layer, j) in enumerate(zip(layers, picks))}
-        attempts.append(a)
-        if fits(a):
-            a.plan.reason = (
-                f"keeping every activation needs {format_bytes(keep.peak)} > budget {format_bytes(budget)}; "
-                f"the {options.solver} solver chose per-layer keep/offload/recompute to free "
-                f"{format_bytes(required)} at the least predicted time"
-            )
-            return a
-        required += a.peak - budget
+        candidates.append(a)
 
-    for fallback in (("offload", "all layers offload"), ("recompute", "all layers recompute")):
-        if fallback[0] == "recompute" and not allow_recompute:
-            continue
-        a = recompute_all if fallback[0] == "recompute" and recompute_all is not None else make(fallback[0])
-        if a not in attempts:
-            attempts.append(a)
-        if fits(a):
-            a.plan.reason = f"the solver's plans overshot the budget; falling back to {fallback[1]}"
-            return a
-    _raise(attempts, budget)
+    # Keep a ladder along which, as the peak grows, predicted time strictly falls and the
+    # recompute count never rises; a budget then takes the last rung that fits. A larger
+    # budget can only move up the ladder: step time and recomputed ops never increase.
+    for c in candidates:
+        c.plan.predicted_seconds = predict_seconds(c)
+    ladder: list[Attempt] = []
+    for c in sorted(candidates, key=lambda c: (c.peak, c.plan.predicted_seconds)):
+        if not ladder or (c.plan.predicted_seconds < ladder[-1].plan.predicted_seconds
+                          and len(c.plan.recomputed_ops) <= len(ladder[-1].plan.recomputed_ops)):
+            ladder.append(c)
+    fitting = [c for c in ladder if fits(c)]
+    if not fitting:
+        _raise(candidates, budget)
+    chosen = fitting[-1]
+    chosen.plan.reason = (
+        f"keeping every activation needs {format_bytes(keep.peak)} > budget {format_bytes(budget)}; "
+        f"chose the fastest of {len(candidates)} built plans that fits (predicted "
+        f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver for per-layer choices)"
+    )
+    return chosen
 
 
 def _raise(attempts: list[Attempt], budget: int | None) -> None:

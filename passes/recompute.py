@@ -136,6 +136,11 @@ def choose_saved(joint: fx.GraphModule, layer_policy: dict[str, str],
         if n in visited:
             continue
         visited.add(n)
+        if compat.is_sym_node(n):
+            # A size (dynamic shapes) a replayed op needs: saved as a SymInt, not a tensor.
+            if n not in saved_sym:
+                saved_sym.append(n)
+            continue
         roots = _host_view_roots(n, view_memo)
         if roots is not None:
             for r in roots:

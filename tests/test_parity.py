@@ -71,7 +71,7 @@ def test_measured_peak_matches_planned_peak(name):
     assert abs(measured - planned) <= 0.01 * planned
 
 
-def test_tighter_budget_switches_to_recompute_and_stays_correct():
+def test_tighter_budget_makes_the_planner_offload_or_recompute():
     ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
     torch.manual_seed(0)
     model = ctor()
@@ -81,16 +81,16 @@ def test_tighter_budget_switches_to_recompute_and_stays_correct():
     x, y = make_batch(torch.Generator().manual_seed(1))
     roomy(x, y)
     generous = megacompile.last_report()
-    assert generous.policy == "keep" and generous.recomputed_ops == [] or all(
-        "t" in op or "view" in op or "permute" in op or "expand" in op for op in generous.recomputed_ops
-    )
+    assert generous.policy == "keep"
     torch._dynamo.reset()
     tight = torch.compile(step, backend="megatrain",
                           options={"device": "cpu", "lowering": "eager", "memory_budget": state // 4})
     tight(x, y)
     report = megacompile.last_report()
-    assert report.policy == "recompute"
-    assert len(report.recomputed_ops) > len(generous.recomputed_ops)
+    assert report.policy != "keep"
+    offloaded_or_recomputed = len(report.recomputed_ops) > len(generous.recomputed_ops) or (
+        report.d2h_bytes > generous.d2h_bytes)
+    assert offloaded_or_recomputed, str(report)
     assert report.planned_peak_device_bytes < generous.planned_peak_device_bytes
     assert report.measured_peak_device_bytes <= state // 4
 

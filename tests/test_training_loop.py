@@ -384,12 +384,6 @@ def test_sequence_length_changes_between_steps():
     _changing_sequence_length_run(memory_budget=None)
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.BackendCompilerFailed, reason=(
-    "recompute policy + dynamic shapes: passes/recompute.choose_saved walks the inputs of "
-    "replayed forward nodes and save()s SymInt nodes (the dynamic seq-length placeholder, "
-    "sym products like mul_11) into the tensor saved-values list instead of saved_sym_nodes; "
-    "the partitioner then cannot build the backward: BackendCompilerFailed 'Node "
-    "embedding_dense_backward_1 was invalid, but is output' on the first recompile (seq 12)"))
 def test_sequence_length_changes_under_recompute():
     # Recompute every layer, as a tight budget makes the planner do.
     _changing_sequence_length_run(memory_budget=None, recompute="always")
