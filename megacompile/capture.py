@@ -157,7 +157,10 @@ class TrainingCompiler:
             return step_time(attempt.forward, attempt.backward, profile, optimizer_param_bytes=param_bytes,
                              precision=self.options.precision).total_s
 
-        chosen = plan_training(build, layers, self.options, profile, predict_seconds)
+        from megacompile.passes.resident_parameters import used_in_both_phases
+
+        both_phases = [info(n).source for n in used_in_both_phases(joint)]
+        chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases)
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = chosen.snapshots
         COMPILED.append(self.record)

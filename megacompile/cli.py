@@ -500,7 +500,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                add_inspect_arguments, run_inspect),
     Subcommand("calibrate", "measure this machine (matmul, host<->device bandwidth, host AdamW) into a "
                "hardware profile", calibrate.add_arguments, calibrate.run),
-    # The `plan` subcommand goes here: Subcommand("plan", "...", module.add_arguments, module.run),
+    Subcommand(*importlib.import_module("megacompile.plan_cmd").SUBCOMMAND),
 )
 
 

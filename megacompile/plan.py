@@ -35,6 +35,8 @@ class TrainingPlan:
     # Per-layer decision (keep | offload | recompute); layers not listed use default_policy.
     default_policy: str = "keep"
     layer_policy: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Parameters (by name) loaded once per step and kept on the device through the backward.
+    resident: list[str] = dataclasses.field(default_factory=list)
     # The solver's price of each layer's chosen option (bytes freed, seconds added).
     layer_costs: dict[str, dict] = dataclasses.field(default_factory=dict)
     # The cost model's predicted step time of this plan (seconds), when the planner priced it.

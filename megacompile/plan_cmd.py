@@ -60,6 +60,9 @@ from .options import OptionsError, format_bytes, parse_bytes
 from .presets import build_transformers_config, count_parameters, known_presets, load_model_config
 
 POLICIES = ("keep", "offload", "recompute")
+# Adjacent (earlier, later) layer policies a full-depth plan can have: the planner's solvers
+# upgrade the earliest layers first, so keep layers come last.
+PAIRS = (("offload", "keep"), ("recompute", "keep"), ("offload", "recompute"), ("recompute", "offload"))
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_TRACED_LAYERS = 2
 ATTN_IMPLEMENTATION = "megatrain_host_sdpa"
@@ -135,8 +138,8 @@ def host_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return torch.ops.aten.nll_loss_forward(F.log_softmax(flat, -1), labels.reshape(-1), None, 1, -100)[0]
 
 
-def build_meta_model(config: dict, num_layers: int, precision: str = "fp32"):
-    """The Hugging Face causal LM of ``config`` with ``num_layers`` decoder layers, on meta."""
+def build_model(config: dict, num_layers: int, precision: str = "fp32", device: str = "meta"):
+    """The Hugging Face causal LM of ``config`` with ``num_layers`` decoder layers (on meta: no memory)."""
     from transformers import AutoModelForCausalLM
 
     _register_attention()
@@ -145,7 +148,7 @@ def build_meta_model(config: dict, num_layers: int, precision: str = "fp32"):
     cfg["use_cache"] = False
     cfg.pop("layer_types", None)  # sized by the full depth in some config.json files
     hf = build_transformers_config(cfg)
-    with torch.device("meta"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf, attn_implementation=ATTN_IMPLEMENTATION,
                                                  dtype=_DTYPES[precision])
     model.train()
@@ -207,25 +210,41 @@ class _Traced(Exception):
 
 
 @contextlib.contextmanager
-def _capture_policies(out: dict, execute: bool = False):
+def _capture_policies(out: dict, execute: bool = False, extra_plans: dict | None = None, pairs: bool = True,
+                      keep_suffices: Callable | None = None):
     """Replace the planner for one compile: build every uniform policy from the one joint graph.
 
     ``capture.TrainingCompiler.partition`` hands the planner a ``build(plan)`` that runs the
     passes on the joint graph under a plan and estimates the memory of the result. Here it is
     called once per policy (``keep``, ``offload``, ``recompute``: what the planner's own
     candidates are made of) and the attempts are kept in ``out``. Unless ``execute``, the
-    compile is then stopped (``_Traced``).
+    compile is then stopped (``_Traced``). ``extra_plans``: name -> per-layer policy dict
+    ({"model.layers.0": "offload", ...}), built too (for tests of mixed plans).
+    ``keep_suffices(keep_attempt, layers)``: when it says True, only keep is built (the other
+    policies matter only when keeping every activation does not fit).
     """
     from . import planner
     from .plan import TrainingPlan
 
     original = planner.plan_training
 
-    def plan_all(build, layers, options, profile):
+    def plan_all(build, layers, *args, **kwargs):  # (build, layers, options, profile, ...)
         t0 = time.perf_counter()
-        attempts = {}
-        for policy in POLICIES:
+        attempts = {"keep": build(TrainingPlan(policy="keep", budget=None, default_policy="keep"))}
+        only_keep = keep_suffices is not None and keep_suffices(attempts["keep"], layers)
+        for policy in POLICIES[1:] if not only_keep else ():
             attempts[policy] = build(TrainingPlan(policy=policy, budget=None, default_policy=policy))
+        decoder = [layer for layer in layers if _DECODER_LAYER.search(layer)]
+        if pairs and not only_keep and len(decoder) >= 2:
+            # The working set of a layer whose predecessor has another policy (its backward
+            # prefetches the predecessor's reloads): the first layer under one, the rest under another.
+            for prev, cur in PAIRS:
+                policy = {decoder[0]: prev, **{layer: cur for layer in decoder[1:]}}
+                attempts[f"pair:{prev}>{cur}"] = build(TrainingPlan(policy=f"pair {prev}>{cur}", budget=None,
+                                                                    default_policy=cur, layer_policy=policy))
+        for name, layer_policy in (extra_plans or {}).items():
+            attempts[name] = build(TrainingPlan(policy=name, budget=None, default_policy="keep",
+                                                layer_policy=dict(layer_policy)))
         # The last build leaves the joint graph marked for its policy; build the one
         # AOTAutograd continues with (keep) last.
         attempts["keep"] = build(TrainingPlan(policy="keep", budget=None, default_policy="keep")) \
@@ -243,7 +262,8 @@ def _capture_policies(out: dict, execute: bool = False):
 
 
 def trace_policies(config: dict, *, num_layers: int, batch: int, seq_len: int, precision: str = "fp32",
-                   execute: bool = False) -> dict:
+                   execute: bool = False, extra_plans: dict | None = None,
+                   keep_suffices: Callable | None = None) -> dict:
     """Compile a training step of ``num_layers`` layers on meta tensors with megatrain.
 
     Returns ``{"attempts": {policy: planner.Attempt}, "layers": [...], "model": model,
@@ -252,7 +272,7 @@ def trace_policies(config: dict, *, num_layers: int, batch: int, seq_len: int, p
     import torch._dynamo
 
     t0 = time.perf_counter()
-    model = build_meta_model(config, num_layers, precision)
+    model = build_model(config, num_layers, precision)
     step = make_step(model)
     # One compile per probe: the step's code object is the same each time, so without a reset
     # Dynamo would count the probes as recompiles of one frame.
@@ -260,7 +280,8 @@ def trace_policies(config: dict, *, num_layers: int, batch: int, seq_len: int, p
     compiled = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     out: dict = {}
-    with _meta_placement(), _capture_policies(out, execute=execute):
+    with _meta_placement(), _capture_policies(out, execute=execute, extra_plans=extra_plans,
+                                              keep_suffices=keep_suffices):
         try:
             compiled(ids, ids)
         except Exception:  # noqa: BLE001  (Dynamo wraps _Traced in BackendCompilerFailed)
@@ -275,30 +296,33 @@ def trace_policies(config: dict, *, num_layers: int, batch: int, seq_len: int, p
 # --- what one traced program says per layer ------------------------------------------------------
 
 @dataclasses.dataclass
-class LayerNumbers:
-    """Per decoder layer numbers of one uniform policy, from the traced k-layer program."""
+class PolicyNumbers:
+    """One uniform policy's traced k-layer program, and what one more layer adds to it."""
 
     policy: str
-    # Memory (bytes). early/late: the traced plan's peak before / after the point where the
-    # extra N-k layers would be inserted (see full_depth_peak); saved_device: activations a
-    # layer keeps on the device from its forward to its backward; saved_host: activations
-    # it offloads to the host for that time.
+    # Memory (bytes). peak: the plan's peak for k layers; early/late: its peak before / after
+    # the point where the extra N-k layers are inserted (see full_depth_peak); saved_device:
+    # activations one layer keeps on the device from its forward to its backward;
+    # saved_host: activations one layer offloads to the host for that time.
     peak: int
     early_peak: int
     late_peak: int
     saved_device: int
     saved_host: int
-    # Time (seconds) a steady-state layer adds to the step, forward and backward.
-    forward_period_s: float
-    backward_period_s: float
-    lanes_s: dict
-    flops: int
-    model_flops: int
-    h2d_bytes: int
-    d2h_bytes: int
-    # The planner's price of this policy for one layer: bytes freed vs keep, seconds added.
-    freed_bytes: int = 0
-    price_s: float = 0.0
+    # The parts of the peak model (full_depth_peak): a layer's working set when every earlier
+    # layer's saved bytes are excluded, and the head's / loss's, both on top of the glue.
+    layer_base: int
+    head_base: int
+    # Where each part's peak is: part (early | layers | head) -> (forward | backward, layer, node).
+    where: dict
+    # The k-layer program: device seconds (forward + backward), busy seconds per lane,
+    # FLOPs (executed, and without recompute), bytes each way.
+    total: dict
+    # What one more layer adds: the same keys. Time is the compute lane's span over a
+    # steady-state layer's region of the program (its ops, the untagged ops among them such
+    # as gradient accumulation, and its waits), or its copy lane's busy time where that is
+    # longer (the link is then the bottleneck).
+    per_layer: dict
 
 
 @dataclasses.dataclass
@@ -309,14 +333,18 @@ class Trace:
     batch: int
     seq_len: int
     precision: str
-    policies: dict  # policy -> LayerNumbers
-    # Everything that is not a decoder layer, from the keep program: device seconds, lane
-    # seconds, FLOPs, bytes moved.
-    glue: dict
+    policies: dict  # policy -> PolicyNumbers
+    pair_base: dict  # (earlier policy, later policy) -> working set of the later layer (see PolicyNumbers)
     param_bytes_by_layer: dict
     layer_checks: dict  # quantity -> per-layer values (identical when the repeat holds)
+    host_optimizer: dict  # seconds and bytes of the host AdamW over all N layers' parameters
     trace_s: float
     prediction: Any = None  # cost_model.StepTimePrediction of the traced keep program
+
+    @property
+    def complete(self) -> bool:
+        """Whether every policy was built (else only keep: it fits, nothing else is needed)."""
+        return all(p in self.policies for p in POLICIES)
 
 
 def _layer_of(node) -> str | None:
@@ -325,22 +353,115 @@ def _layer_of(node) -> str | None:
     return info(node).layer if has_info(node) else None
 
 
-def _first_compute_index(gm, layer: str) -> int:
+def _is_compute(node) -> bool:
     from .node_info import has_info, info
 
-    for i, node in enumerate(gm.graph.nodes):
-        if node.op == "call_function" and has_info(node) and info(node).layer == layer \
-                and info(node).role == "compute":
-            return i
-    raise PlanError(f"no compute op of layer {layer!r} in the traced graph")
+    return node.op == "call_function" and has_info(node) and info(node).role == "compute"
 
 
-def _curve(gm, keep_outputs_alive: bool) -> list[int]:
-    from .plan import estimate_memory
+def _regions(gm, decoder: list[str]) -> dict[str, tuple[int, int]]:
+    """Node index range of each decoder layer's stretch of a program, by position.
 
-    points: list = []
-    estimate_memory(gm, keep_outputs_alive=keep_outputs_alive, curve=points)
-    return [live for _, live in points]
+    A layer's region runs from its first compute op to the first compute op of the next
+    layer (or of the next tagged non-decoder module: the final norm in the forward, the
+    embedding in the backward). Ops in between that carry no layer (gradient accumulation of
+    the residual stream, for one) belong to the region they sit in.
+    """
+    nodes = list(gm.graph.nodes)
+    firsts: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        layer = _layer_of(node)
+        if layer in decoder and layer not in firsts and _is_compute(node):
+            firsts[layer] = i
+    order = sorted(firsts, key=firsts.get)
+    if len(order) != len(decoder):
+        raise PlanError(f"decoder layers without compute ops in the traced graph: {set(decoder) - set(order)}")
+    out = {}
+    for j, layer in enumerate(order):
+        if j + 1 < len(order):
+            stop = firsts[order[j + 1]]
+        else:
+            stop = next((i for i in range(firsts[layer], len(nodes))
+                         if _is_compute(nodes[i]) and _layer_of(nodes[i]) not in (None, *decoder)), len(nodes))
+        out[layer] = (firsts[layer], stop)
+    return out
+
+
+def _span(gm, timeline, start: int, stop: int) -> float:
+    """Compute-lane seconds from node ``start`` to node ``stop`` of a simulated program."""
+    index = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    starts = sorted((index[e.name], e.start_s) for e in timeline.events
+                    if e.lane in ("compute", "stall") and e.name in index)
+    end = max((e.end_s for e in timeline.events), default=0.0)
+
+    def clock(i: int) -> float:
+        return next((t for j, t in starts if j >= i), end)
+
+    return clock(stop) - clock(start)
+
+
+def _compute_busy(gm, start: int, stop: int) -> float:
+    from .cost_model import COST_KEY
+
+    nodes = list(gm.graph.nodes)[start:stop]
+    return sum(n.meta[COST_KEY].time_s for n in nodes
+               if COST_KEY in n.meta and n.meta[COST_KEY].lane == "compute")
+
+
+def _curves(attempt) -> tuple[list, list]:
+    """(node name, live device bytes) at each node of the forward and the backward, as the plan counts them."""
+    import inspect
+
+    from . import plan as plan_mod
+
+    fw: list = []
+    bw: list = []
+    plan_mod.estimate_memory(attempt.forward, keep_outputs_alive=True, curve=fw)
+    kwargs = {}
+    if "input_storage" in inspect.signature(plan_mod.estimate_memory).parameters:
+        kwargs["input_storage"] = plan_mod.storage_roots(attempt.forward)
+    plan_mod.estimate_memory(attempt.backward, keep_outputs_alive=False, curve=bw, **kwargs)
+    return fw, bw
+
+
+def _storage_root(node, memo: dict):
+    """The node whose storage ``node`` views (itself if it owns one), as plan.estimate_memory sees it."""
+    from .node_info import is_view_node
+
+    if node in memo:
+        return memo[node]
+    root = node
+    if node.op == "call_function" and is_view_node(node):
+        tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if tensors:
+            root = _storage_root(tensors[0], memo)
+    memo[node] = root
+    return root
+
+
+def _saved_device_bytes_by_layer(attempt) -> dict:
+    """Device bytes each layer keeps alive from its forward to its backward.
+
+    Counted by storage: a saved view (``view``, ``_unsafe_view``, ``unsqueeze`` of a matmul
+    output) has no bytes of its own but keeps its base alive, so the base's bytes count, once,
+    for the layer that produced the base. Values the plan offloads are on the host.
+    """
+    from .node_info import has_info, info
+
+    memo: dict = {}
+    roots: dict = {}
+    saved = set(attempt.plan.saved_values)
+    for node in attempt.forward.graph.nodes:
+        if node.name not in saved or not has_info(node) or info(node).decision == "offload":
+            continue
+        root = _storage_root(node, memo)
+        if root.op == "call_function" and has_info(root) and info(root).placement == "device":
+            roots[root] = info(root)
+    out: dict = {}
+    for ni in roots.values():
+        key = ni.layer or "(glue)"
+        out[key] = out.get(key, 0) + ni.nbytes_hint
+    return out
 
 
 def _sum_by_layer(gm, attr: str, where: Callable | None = None) -> dict:
@@ -356,11 +477,23 @@ def _sum_by_layer(gm, attr: str, where: Callable | None = None) -> dict:
     return out
 
 
+def _peak_parts(fw_curve: list, bw_curve: list, fw_regions: dict, bw_regions: dict, decoder: list) -> dict:
+    """The traced program's peak in each part: "early" (embedding and the first layer, forward
+    and backward), "layers" (one per later decoder layer: its forward and backward regions),
+    "head" (final norm, head and loss, forward and backward). Each a (phase, node, bytes)."""
+    fw = [("forward", name, live) for name, live in fw_curve]
+    bw = [("backward", name, live) for name, live in bw_curve]
+    top = lambda pts: max(pts, key=lambda t: t[2]) if pts else ("forward", "", 0)  # noqa: E731
+    f1, b0 = fw_regions[decoder[1]][0], bw_regions[decoder[0]][0]
+    f_end, b_start = fw_regions[decoder[-1]][1], bw_regions[decoder[-1]][0]
+    layers = [top(fw[slice(*fw_regions[d])] + bw[slice(*bw_regions[d])]) for d in decoder[1:]]
+    return {"early": top(fw[:f1] + bw[b0:]), "layers": layers, "head": top(fw[f_end:] + bw[:b_start])}
+
+
 def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len: int, precision: str,
             num_params_full: int) -> Trace:
     from . import cost_model
     from .node_info import has_info, info, layer_of_module_path
-    from .planner import _forward_seconds_by_layer, _saved_device_bytes_by_layer
 
     attempts = raw["attempts"]
     decoder = [layer for layer in raw["layers"] if _DECODER_LAYER.search(layer)]
@@ -379,87 +512,102 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
     checks: dict = {"param_bytes": [param_bytes_by_layer.get(layer, 0) for layer in decoder]}
     policies: dict = {}
     keep_pred = None
-    glue: dict = {}
-    for policy in POLICIES:
+    host_optimizer: dict = {}
+    for policy in [p for p in POLICIES if p in attempts]:
         a = attempts[policy]
         pred = cost_model.step_time(a.forward, a.backward, profile, optimizer_param_bytes=opt_bytes,
                                     precision=precision)
-        fw_curve, bw_curve = _curve(a.forward, True), _curve(a.backward, False)
-        f_split = _first_compute_index(a.forward, second)
-        b_split = _first_compute_index(a.backward, first)
-        early = max(fw_curve[:f_split] + bw_curve[b_split:], default=0)
-        late = max(fw_curve[f_split:] + bw_curve[:b_split], default=0)
+        fw_curve, bw_curve = _curves(a)
+        fw_regions, bw_regions = _regions(a.forward, decoder), _regions(a.backward, decoder)
+        layer_by_name = {n.name: _layer_of(n) for g in (a.forward, a.backward) for n in g.graph.nodes}
+        parts = _peak_parts(fw_curve, bw_curve, fw_regions, bw_regions, decoder)
+        early_at, late_at = parts["early"], max(parts["layers"] + [parts["head"]], key=lambda t: t[2])
+        early, late = early_at[2], late_at[2]
+        layers_at = max(parts["layers"], key=lambda t: t[2])
+        where = {part: (at[0], layer_by_name.get(at[1]), at[1])
+                 for part, at in (("early", early_at), ("layers", layers_at), ("head", parts["head"]))}
         saved_dev = _saved_device_bytes_by_layer(a)
-        is_offload = lambda node, c: c.lane == "d2h"  # noqa: E731
-        saved_host = _sum_by_layer(a.forward, "bytes_touched", is_offload)
-        flops_f, flops_b = _sum_by_layer(a.forward, "flops"), _sum_by_layer(a.backward, "flops")
-        recompute = _sum_by_layer(a.backward, "flops", lambda n, c: has_info(n) and info(n).phase == "recompute")
-        loads = [_sum_by_layer(g, "bytes_touched", lambda n, c: c.lane == "h2d") for g in (a.forward, a.backward)]
-        offs = [_sum_by_layer(g, "bytes_touched", lambda n, c: c.lane == "d2h") for g in (a.forward, a.backward)]
-        ops = [_sum_by_layer(g, "time_s", lambda n, c: c.time_s > 0 and c.lane == "compute")
-               for g in (a.forward, a.backward)]
+        s_dev = saved_dev.get(first, 0)
+        layer_base = max(pt[2] - j * s_dev for j, pt in enumerate(parts["layers"], start=1))
+        head_base = parts["head"][2] - k * s_dev
+        is_recompute = lambda n, c: has_info(n) and info(n).phase == "recompute"  # noqa: E731
+        lane_is = lambda lane: (lambda n, c: c.lane == lane)  # noqa: E731
+        by_layer = {
+            "saved_device_bytes": saved_dev,
+            "saved_host_bytes": _sum_by_layer(a.forward, "bytes_touched", lane_is("d2h")),
+            "forward_flops": _sum_by_layer(a.forward, "flops"),
+            "backward_flops": _sum_by_layer(a.backward, "flops"),
+            "recompute_flops": _sum_by_layer(a.backward, "flops", is_recompute),
+            "forward_h2d_bytes": _sum_by_layer(a.forward, "bytes_touched", lane_is("h2d")),
+            "backward_h2d_bytes": _sum_by_layer(a.backward, "bytes_touched", lane_is("h2d")),
+            "forward_d2h_bytes": _sum_by_layer(a.forward, "bytes_touched", lane_is("d2h")),
+            "backward_d2h_bytes": _sum_by_layer(a.backward, "bytes_touched", lane_is("d2h")),
+        }
+        for name, values in by_layer.items():
+            checks[f"{policy}.{name}"] = [values.get(layer, 0) for layer in decoder]
+        # Compute time of each layer's own ops (region busy times include the neighbours'
+        # untagged ops at the ends only for the first and last traced layer).
+        for gname, g in (("forward", a.forward), ("backward", a.backward)):
+            busy = _sum_by_layer(g, "time_s", lambda n, c: c.lane == "compute" and _layer_of(n) in decoder)
+            checks[f"{policy}.{gname}_compute_seconds"] = [round(busy.get(layer, 0.0), 15) for layer in decoder]
 
-        def per_layer(d: dict | list, layer: str):
-            return sum(x.get(layer, 0) for x in d) if isinstance(d, list) else d.get(layer, 0)
-
-        for layer_set, name in ((saved_dev, "saved_device_bytes"), (saved_host, "saved_host_bytes"),
-                                (flops_f, "forward_flops"), (flops_b, "backward_flops"),
-                                (loads, "h2d_bytes"), (offs, "d2h_bytes")):
-            checks[f"{policy}.{name}"] = [per_layer(layer_set, layer) for layer in decoder]
-        checks[f"{policy}.compute_seconds"] = [round(per_layer(ops, layer), 12) for layer in decoder]
-
-        # Steady-state time of one layer: forward, a layer that follows a layer (the second
-        # traced one); backward, a layer whose backward follows another's (the first).
-        def period(tl, layer: str) -> float:
-            t = tl.per_layer.get(layer)
-            if t is None:
-                return 0.0
-            if synchronous:  # copies run on the compute lane
-                return t.compute_s + t.h2d_s + t.d2h_s + t.exposed_wait_s
-            return max(t.compute_s + t.exposed_wait_s, t.h2d_s, t.d2h_s)
-
-        lanes = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0}
-        for tl in (pred.forward, pred.backward):
-            t = tl.per_layer.get(first)
-            if t is not None:
-                lanes["compute"] += t.compute_s
-                lanes["h2d"] += t.h2d_s
-                lanes["d2h"] += t.d2h_s
-        numbers = LayerNumbers(
+        one = {key: values.get(first, 0) for key, values in by_layer.items()}
+        f_busy = _compute_busy(a.forward, *fw_regions[second])
+        b_busy = _compute_busy(a.backward, *bw_regions[first])
+        h2d_s = (one["forward_h2d_bytes"] + one["backward_h2d_bytes"]) / profile.h2d_bandwidth
+        d2h_s = (one["forward_d2h_bytes"] + one["backward_d2h_bytes"]) / profile.d2h_bandwidth
+        f_span = _span(a.forward, pred.forward, *fw_regions[second])
+        b_span = _span(a.backward, pred.backward, *bw_regions[first])
+        if synchronous:
+            # Copies run on the compute lane, one after another; a region holds the copies it
+            # issues (the next layer's parameters), so count the layer's own copies instead.
+            device_s = f_busy + b_busy + h2d_s + d2h_s
+        else:
+            f_link = max(one["forward_h2d_bytes"] / profile.h2d_bandwidth, one["forward_d2h_bytes"] / profile.d2h_bandwidth)
+            b_link = max(one["backward_h2d_bytes"] / profile.h2d_bandwidth, one["backward_d2h_bytes"] / profile.d2h_bandwidth)
+            device_s = max(f_span, f_link) + max(b_span, b_link)
+        flops = one["forward_flops"] + one["backward_flops"]
+        per_layer = {
+            "device_s": device_s,
+            "lanes_s": {"compute": f_busy + b_busy, "h2d": h2d_s, "d2h": d2h_s},
+            "flops": flops, "model_flops": flops - one["recompute_flops"],
+            "h2d_bytes": one["forward_h2d_bytes"] + one["backward_h2d_bytes"],
+            "d2h_bytes": one["forward_d2h_bytes"] + one["backward_d2h_bytes"],
+            **{key: one[key] for key in ("forward_h2d_bytes", "backward_h2d_bytes", "forward_d2h_bytes",
+                                         "backward_d2h_bytes")},
+        }
+        total = {
+            "device_s": pred.total_s - pred.host_optimizer_s,
+            "lanes_s": {"compute": pred.compute_s, "h2d": pred.h2d_s, "d2h": pred.d2h_s},
+            "flops": pred.flops, "model_flops": pred.model_flops,
+            "h2d_bytes": pred.h2d_bytes, "d2h_bytes": pred.d2h_bytes,
+            "forward_h2d_bytes": pred.forward.h2d_bytes, "backward_h2d_bytes": pred.backward.h2d_bytes,
+            "forward_d2h_bytes": pred.forward.d2h_bytes, "backward_d2h_bytes": pred.backward.d2h_bytes,
+        }
+        policies[policy] = PolicyNumbers(
             policy=policy, peak=a.plan.peak_bytes, early_peak=early, late_peak=late,
-            saved_device=saved_dev.get(first, 0) if policy != "offload" else 0,
-            saved_host=saved_host.get(first, 0) if policy == "offload" else 0,
-            forward_period_s=period(pred.forward, second), backward_period_s=period(pred.backward, first),
-            lanes_s=lanes, flops=flops_f.get(first, 0) + flops_b.get(first, 0),
-            model_flops=flops_f.get(first, 0) + flops_b.get(first, 0) - recompute.get(first, 0),
-            h2d_bytes=per_layer(loads, first), d2h_bytes=per_layer(offs, first),
+            layer_base=layer_base, head_base=head_base,
+            where=where,
+            saved_device=saved_dev.get(first, 0), saved_host=one["saved_host_bytes"] if policy == "offload" else 0,
+            total=total, per_layer=per_layer,
         )
-        policies[policy] = numbers
         if policy == "keep":
             keep_pred = pred
-            keep_fwd_s = _forward_seconds_by_layer(a.forward, profile)
-            device_s = pred.total_s - pred.host_optimizer_s
-            glue = {
-                "device_s": device_s - k * (numbers.forward_period_s + numbers.backward_period_s),
-                "lanes_s": {lane: getattr(pred, f"{lane}_s") - k * numbers.lanes_s[lane] for lane in lanes},
-                "flops": pred.flops - k * numbers.flops,
-                "model_flops": pred.model_flops - k * numbers.model_flops,
-                "h2d_bytes": pred.h2d_bytes - k * numbers.h2d_bytes,
-                "d2h_bytes": pred.d2h_bytes - k * numbers.d2h_bytes,
-                "host_optimizer_s": pred.host_optimizer_s,
-                "host_optimizer_bytes": pred.host_optimizer_bytes,
-            }
-    # The planner's prices (planner.plan_training): offloading frees the saved bytes and costs
-    # them over the link both ways; recomputing frees all but the layer's boundary input and
-    # costs its forward again.
-    keep_saved = policies["keep"].saved_device
-    link = 1.0 / profile.d2h_bandwidth + 1.0 / profile.h2d_bandwidth
-    policies["offload"].freed_bytes, policies["offload"].price_s = keep_saved, keep_saved * link
-    policies["recompute"].freed_bytes = max(0, keep_saved - policies["recompute"].saved_device)
-    policies["recompute"].price_s = keep_fwd_s.get(first, 0.0)
-    return Trace(k=k, batch=batch, seq_len=seq_len, precision=precision, policies=policies, glue=glue,
-                 param_bytes_by_layer=param_bytes_by_layer, layer_checks=checks, trace_s=raw["trace_s"],
-                 prediction=keep_pred)
+            host_optimizer = {"seconds": pred.host_optimizer_s, "bytes": pred.host_optimizer_bytes,
+                              "params": pred.optimizer_params}
+    # Working set of a layer after one with another policy (its backward prefetches the
+    # predecessor's reloads): the second traced layer of a "pair" plan, less the first's saved bytes.
+    pair_base: dict = {}
+    for prev, cur in PAIRS:
+        a = attempts.get(f"pair:{prev}>{cur}")
+        if a is None:
+            continue
+        fw_curve, bw_curve = _curves(a)
+        parts = _peak_parts(fw_curve, bw_curve, _regions(a.forward, decoder), _regions(a.backward, decoder), decoder)
+        pair_base[(prev, cur)] = parts["layers"][0][2] - policies[prev].saved_device
+    return Trace(k=k, batch=batch, seq_len=seq_len, precision=precision, policies=policies, pair_base=pair_base,
+                 param_bytes_by_layer=param_bytes_by_layer, layer_checks=checks, host_optimizer=host_optimizer,
+                 trace_s=raw["trace_s"], prediction=keep_pred)
 
 
 def check_repeat(trace: Trace, rel_tol: float = 1e-9) -> list[str]:
@@ -472,12 +620,32 @@ def check_repeat(trace: Trace, rel_tol: float = 1e-9) -> list[str]:
     return differ
 
 
+def _keep_peak_at_depth(attempt, layers: list, num_layers: int) -> int:
+    """full_depth_peak of the keep plan alone, straight from its attempt (no cost model)."""
+    decoder = [layer for layer in layers if _DECODER_LAYER.search(layer)]
+    fw_curve, bw_curve = _curves(attempt)
+    parts = _peak_parts(fw_curve, bw_curve, _regions(attempt.forward, decoder), _regions(attempt.backward, decoder),
+                        decoder)
+    s = _saved_device_bytes_by_layer(attempt).get(decoder[0], 0)
+    layer_base = max(pt[2] - j * s for j, pt in enumerate(parts["layers"], start=1))
+    return max(parts["early"][2], layer_base + (num_layers - 1) * s, parts["head"][2] - len(decoder) * s + num_layers * s)
+
+
 def trace_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: int, precision: str = "fp32",
-                k: int = DEFAULT_TRACED_LAYERS) -> Trace:
-    """Trace k layers on the meta device and digest the three policies' programs."""
+                k: int = DEFAULT_TRACED_LAYERS, skip_if_keep_fits: int | None = None) -> Trace:
+    """Trace k layers on the meta device and digest the policies' programs.
+
+    ``skip_if_keep_fits``: a device budget; if keeping every activation of all the model's
+    layers fits it, only the keep plan is built (``Trace.complete`` is then False).
+    """
     if k < 2:
         raise ValueError("at least 2 traced layers are needed to check that the layers repeat")
-    raw = trace_policies(config, num_layers=k, batch=batch, seq_len=seq_len, precision=precision)
+    num_layers = int(config["num_hidden_layers"])
+    keep_suffices = None
+    if skip_if_keep_fits is not None:
+        keep_suffices = lambda attempt, layers: _keep_peak_at_depth(attempt, layers, num_layers) <= skip_if_keep_fits  # noqa: E731
+    raw = trace_policies(config, num_layers=k, batch=batch, seq_len=seq_len, precision=precision,
+                         keep_suffices=keep_suffices)
     trace = _digest(raw, profile, k=k, batch=batch, seq_len=seq_len, precision=precision,
                     num_params_full=count_parameters(config))
     differ = check_repeat(trace)
@@ -495,7 +663,6 @@ class DepthPlan:
 
     counts: dict
     peak_bytes: int
-    price_s: float
     device_s: float
     lanes_s: dict
     flops: int
@@ -503,7 +670,13 @@ class DepthPlan:
     h2d_bytes: int
     d2h_bytes: int
     offloaded_activation_bytes: int
-    peak_region: str  # "late" (head / later layers, grows with depth) or "early"
+    peak_region: str  # "early" (embedding, first layer), "layers" (a later layer) or "head" (head and loss)
+    bytes_by_direction: dict = dataclasses.field(default_factory=dict)  # forward/backward h2d/d2h
+    base_policy: str = "keep"  # the traced program the additive quantities extend
+
+    @property
+    def step_s(self) -> float:
+        return self.device_s + self.lanes_s.get("host_optimizer", 0.0)
 
     @property
     def summary(self) -> str:
@@ -513,56 +686,710 @@ class DepthPlan:
         return "per-layer (" + ", ".join(used) + ")"
 
 
+def _ordered_peak(trace, runs: list) -> tuple[float, str]:
+    """Peak of N layers in forward order ``runs`` = [(policy, count), ...] (see full_depth_peak)."""
+    pol = trace.policies
+    peak, region = pol[runs[0][0]].early_peak, "early"
+    saved = 0  # saved device bytes of the layers before the current one
+    prev = None
+    for p, n in runs:
+        s = pol[p].saved_device
+        candidates = []
+        if prev is None:
+            if n >= 2:
+                candidates.append(pol[p].layer_base + (n - 1) * s)
+        else:
+            candidates.append(trace.pair_base.get((prev, p), pol[p].layer_base) + saved)
+            if n >= 2:
+                candidates.append(pol[p].layer_base + saved + (n - 1) * s)
+        saved += n * s
+        for c in candidates:
+            if c > peak:
+                peak, region = c, "layers"
+        prev = p
+    head = pol[runs[-1][0]].head_base + saved
+    if head > peak:
+        peak, region = head, "head"
+    return peak, region
+
+
 def full_depth_peak(trace: Trace, counts: dict) -> tuple[int, str]:
     """The device peak of N = sum(counts) layers, from the traced k-layer plans.
 
-    Think of the N-k extra layers as inserted between the first and the second traced layer.
-    Their saved activations are live on the device from their forward to their backward, so
-    they add to every point of the traced program that lies between those (the "late" region:
-    the forward from the second layer's first op on, the head and loss, and the backward up
-    to the first layer's backward); the "early" region (embedding and the first layer,
-    forward and backward) does not see them. For a uniform policy p with s_p saved device
-    bytes per layer (keep: all saved activations; recompute: the layer's input only;
-    offload: none) this is
+    A layer's saved activations stay on the device from its forward to its backward (keep:
+    all it saves; recompute: its input only; offload: none), so while layer j runs, forward
+    or backward, the device holds the saved bytes of every earlier layer besides its own
+    working set; at the head and the loss it holds every layer's. With s_p the saved bytes of
+    a layer under policy p, W_p a layer's working set and H_p the head's (both on top of the
+    embedding, mask and other glue, and both measured on the traced plan: W_p = peak while
+    traced layer j runs - j * s_p, H_p = peak at the head - k * s_p), N layers in order
+    p_1 .. p_N peak at
 
-        peak(N) = max(early_k, late_k + (N - k) * s_p)
+        max( early_{p_1},  max_j (W_{p_j} + sum_{i<j} s_{p_i}),  H_{p_N} + sum_i s_{p_i} )
 
-    where early_k / late_k are the traced plan's peaks in each region: the planner's peak
-    for k layers plus (N-k) x the saved activation bytes a layer keeps on the device. With a
-    mix of policies the layer at the peak may have any of the policies used, so the largest
-    of their working sets is taken:
-
-        peak(N) = max( max_p early_p, max_p (late_p - k * s_p) + sum_p n_p * s_p )
-
-    over the policies p with n_p > 0. ``test_plan_cmd`` checks the k=2 extrapolation against
-    a real k=4 plan.
+    where early is the traced plan's peak over the embedding and the first layer. For one
+    policy p this is the planner's peak for k layers plus (N-k) x s_p:
+    max(early_k, late_k + (N - k) * s_p). Mixed plans put the upgraded layers first (the
+    planner's solvers upgrade the earliest layers first) and keep layers last; a layer after
+    one of another policy has the working set measured on a two-policy "pair" plan (its
+    backward prefetches its predecessor's reloads), and both orders of offload and
+    recompute are tried, the larger peak taken. ``test_plan_cmd`` checks k=2 extrapolations
+    against real k=4 plans, uniform and mixed. Returns (bytes, where: early | layers | head).
     """
-    used = [p for p, n in counts.items() if n]
-    early = max(trace.policies[p].early_peak for p in used)
-    saved = sum(n * trace.policies[p].saved_device for p, n in counts.items())
-    late = max(trace.policies[p].late_peak - trace.k * trace.policies[p].saved_device for p in used) + saved
-    return (late, "late") if late >= early else (early, "early")
+    used = [p for p in ("offload", "recompute") if counts.get(p)]
+    orders = [used, used[::-1]] if len(used) == 2 else [used]
+    best = None
+    for order in orders:
+        runs = [(p, counts[p]) for p in (*order, "keep") if counts.get(p)]
+        found = _ordered_peak(trace, runs)
+        if best is None or found[0] > best[0]:
+            best = found
+    return int(best[0]), best[1]
 
 
 def evaluate(trace: Trace, counts: dict) -> DepthPlan:
-    """Peak, time, FLOPs and bytes of N layers under ``counts`` (policy -> number of layers)."""
+    """Peak, time, FLOPs and bytes of N = sum(counts) layers (policy -> number of layers).
+
+    Every additive quantity X (device seconds, lane seconds, FLOPs, bytes) is a traced k-layer
+    program's X plus what each other layer adds: X(N) = X_k(base) + sum_p (n_p - k [p == base]) * x_p.
+    The base is the uniform policy's own program for a uniform plan, else the keep program:
+    the one-off costs around the layers (exposed copies next to the embedding and the head)
+    are those of keep layers there, for the layers next to the head are kept (checked against
+    real mixed k=4 programs: exact, where another base is off by up to 1.4%).
+    """
     peak, region = full_depth_peak(trace, counts)
-    g = trace.glue
     pol = trace.policies
-    lanes = {lane: g["lanes_s"][lane] + sum(n * pol[p].lanes_s[lane] for p, n in counts.items())
+    used = [p for p, n in counts.items() if n]
+    base = used[0] if len(used) == 1 else "keep"
+    extra = {p: n - (trace.k if p == base else 0) for p, n in counts.items() if n or p == base}
+
+    def total(key: str) -> float:
+        return pol[base].total[key] + sum(n * pol[p].per_layer[key] for p, n in extra.items())
+
+    lanes = {lane: max(0.0, pol[base].total["lanes_s"][lane]
+                       + sum(n * pol[p].per_layer["lanes_s"][lane] for p, n in extra.items()))
              for lane in ("compute", "h2d", "d2h")}
-    lanes = {lane: max(0.0, v) for lane, v in lanes.items()}
-    lanes["host_optimizer"] = g["host_optimizer_s"]
+    lanes["host_optimizer"] = trace.host_optimizer["seconds"]
     return DepthPlan(
-        counts=dict(counts), peak_bytes=peak,
-        price_s=sum(n * pol[p].price_s for p, n in counts.items()),
-        device_s=max(0.0, g["device_s"] + sum(n * (pol[p].forward_period_s + pol[p].backward_period_s)
-                                             for p, n in counts.items())),
-        lanes_s=lanes,
-        flops=g["flops"] + sum(n * pol[p].flops for p, n in counts.items()),
-        model_flops=g["model_flops"] + sum(n * pol[p].model_flops for p, n in counts.items()),
-        h2d_bytes=g["h2d_bytes"] + sum(n * pol[p].h2d_bytes for p, n in counts.items()),
-        d2h_bytes=g["d2h_bytes"] + sum(n * pol[p].d2h_bytes for p, n in counts.items()),
-        offloaded_activation_bytes=sum(n * pol[p].saved_host for p, n in counts.items()),
+        counts=dict(counts), peak_bytes=peak, device_s=max(0.0, total("device_s")), lanes_s=lanes,
+        flops=int(total("flops")), model_flops=int(total("model_flops")),
+        h2d_bytes=int(total("h2d_bytes")), d2h_bytes=int(total("d2h_bytes")),
+        offloaded_activation_bytes=sum(n * pol[p].saved_host for p, n in counts.items() if n),
         peak_region=region,
+        bytes_by_direction={key: int(total(key)) for key in ("forward_h2d_bytes", "backward_h2d_bytes",
+                                                              "forward_d2h_bytes", "backward_d2h_bytes")},
+        base_policy=base,
     )
+
+
+def _all_counts(num_layers: int, policies=POLICIES):
+    if set(policies) >= set(POLICIES):
+        for off in range(num_layers + 1):
+            for rec in range(num_layers + 1 - off):
+                yield {"keep": num_layers - off - rec, "offload": off, "recompute": rec}
+    else:
+        yield {"keep": num_layers, "offload": 0, "recompute": 0}
+
+
+def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int = 0) -> dict:
+    """Host memory of the training state, split into what the runtime pins and what it does not.
+
+    Pinned: the weights the device streams in and the gradient buffers it streams back into
+    (and the host copies of offloaded activations). Pageable: what only the host optimizer
+    touches (AdamW's two moments; in bf16 also the fp32 master weights). See
+    ``HOST_BYTES_PER_PARAM`` for the bytes per parameter.
+    """
+    parts = {name: (num_params * nbytes, kind) for name, (nbytes, kind) in HOST_BYTES_PER_PARAM[precision].items()}
+    if offloaded_activation_bytes:
+        parts["offloaded_activations"] = (int(offloaded_activation_bytes), "pinned")
+    pinned = sum(n for n, kind in parts.values() if kind == "pinned")
+    pageable = sum(n for n, kind in parts.values() if kind == "pageable")
+    return {
+        "parts": {name: n for name, (n, _) in parts.items()},
+        "pinned_bytes": pinned, "pageable_bytes": pageable, "total_bytes": pinned + pageable,
+        "bytes_per_param": sum(nbytes for nbytes, _ in HOST_BYTES_PER_PARAM[precision].values()),
+    }
+
+
+def choose_plan(trace, num_layers: int, *, budget: int, host_free: int | None) -> tuple:
+    """The plan megatrain's planner would pick for N identical layers, and the smallest plan.
+
+    Keep every activation if that fits; otherwise the fastest (predicted step time) count of
+    keep / offload / recompute layers whose extrapolated peak fits ``budget`` and whose
+    offloaded activations fit ``host_free`` host bytes, upgrading as few layers as possible
+    among equally fast ones (the planner's solvers free only the bytes needed). Returns (chosen or None, the plan with
+    the smallest peak among those the host can hold, the keep plan).
+    """
+    keep = evaluate(trace, {"keep": num_layers, "offload": 0, "recompute": 0})
+
+    def host_ok(plan: DepthPlan) -> bool:
+        return host_free is None or plan.offloaded_activation_bytes <= host_free
+
+    if keep.peak_bytes <= budget and host_ok(keep):
+        smallest = keep if not trace.complete else None
+    else:
+        smallest = None
+    fitting = []
+    for counts in _all_counts(num_layers, trace.policies):
+        plan = evaluate(trace, counts)
+        if not host_ok(plan):
+            continue
+        if smallest is None or plan.peak_bytes < smallest.peak_bytes:
+            smallest = plan
+        if plan.peak_bytes <= budget:
+            fitting.append(plan)
+    if keep.peak_bytes <= budget and host_ok(keep):
+        return keep, smallest, keep
+    if not fitting:
+        return None, smallest, keep
+    # The fastest; among plans as fast (within 0.1%: keep and offload layers often cost the same
+    # when the link hides the copies), the one that recomputes, then offloads, the fewest layers.
+    fastest = min(p.step_s for p in fitting)
+    best = min((p for p in fitting if p.step_s <= fastest * 1.001),
+               key=lambda p: (p.counts["recompute"], p.counts["offload"], p.step_s, p.peak_bytes))
+    return best, smallest, keep
+
+
+def _min_peak(trace, num_layers: int, host_free: int | None) -> int:
+    """The smallest extrapolated peak of any keep / offload / recompute count (memory only)."""
+    best = None
+    pol = trace.policies
+    for counts in _all_counts(num_layers, trace.policies):
+        if host_free is not None and sum(n * pol[p].saved_host for p, n in counts.items() if n) > host_free:
+            continue
+        peak, _ = full_depth_peak(trace, counts)
+        best = peak if best is None else min(best, peak)
+    return best if best is not None else math.inf
+
+
+def _interpolated(traces: dict, x: float):
+    """Per-policy memory numbers at ``x``, interpolated (Lagrange) through the probes in ``traces``.
+
+    Activation sizes are polynomials of degree <= 2 in the sequence length (the attention mask
+    is seq x seq) and of degree 1 in the batch, and so are the peaks as long as they stay at
+    the same op; three probes pin a quadratic down.
+    """
+    import types
+
+    xs = sorted(traces)
+
+    def lagrange(values: list[float]) -> float:
+        total = 0.0
+        for i, xi in enumerate(xs):
+            term = values[i]
+            for j, xj in enumerate(xs):
+                if j != i:
+                    term *= (x - xj) / (xi - xj)
+            total += term
+        return total
+
+    any_trace = traces[xs[0]]
+    policies = {}
+    for p in POLICIES:
+        fields = {}
+        for name in ("early_peak", "layer_base", "head_base", "saved_device", "saved_host"):
+            fields[name] = lagrange([float(getattr(traces[xi].policies[p], name)) for xi in xs])
+        policies[p] = types.SimpleNamespace(**fields)
+    pair_base = {pair: lagrange([float(traces[xi].pair_base[pair]) for xi in xs])
+                 for pair in any_trace.pair_base if all(pair in traces[xi].pair_base for xi in xs)}
+    return types.SimpleNamespace(k=any_trace.k, policies=policies, pair_base=pair_base)
+
+
+@dataclasses.dataclass
+class SearchResult:
+    axis: str  # seq_len | batch
+    value: int | None  # the largest value that fits (None: not even the smallest)
+    how: str  # "bracketed by probes" | "probe fits; next step predicted not to" | ...
+    probes: dict  # value -> fits (each a real k-layer plan on the meta device)
+    step: int
+
+
+def search_largest(axis: str, fits_at: Callable[[int], bool], traces: dict, *, start: int, step: int,
+                   lo_limit: int, hi_limit: int, predict_fits: Callable[[Any], bool], max_probes: int = 5) -> SearchResult:
+    """The largest value of ``axis`` (on a grid of ``step``) at which the plan fits.
+
+    ``fits_at(x)`` plans k layers at x on the meta device (a probe, cached in ``traces``);
+    ``predict_fits(model)`` judges an interpolated memory model. Probes: the start, two more
+    a factor 2 and 4 away (down if the start does not fit, up if it does), then the value the
+    quadratic through the three nearest probes predicts, checked with one probe; if that
+    probe disagrees, it joins the probes and the search repeats (bisection of the bracket
+    when the prediction falls outside it), at most ``max_probes`` times.
+    """
+    def grid(x: float) -> int:
+        return int(max(lo_limit, min(hi_limit, (int(x) // step) * step)))
+
+    known: dict[int, bool] = {start: fits_at(start)}
+    first = [grid(start * 2), grid(start * 4)] if known[start] else [grid(start // 2), grid(start // 4)]
+    for x in first:
+        if x not in known:
+            known[x] = fits_at(x)
+
+    def bracket():
+        lo = max((x for x, ok in known.items() if ok), default=None)
+        hi = min((x for x, ok in known.items() if not ok), default=None)
+        return lo, hi
+
+    def model_at(x: int):
+        near = sorted(traces, key=lambda xi: (abs(xi - x), xi))[:3]
+        return _interpolated({xi: traces[xi] for xi in near}, x)
+
+    def predicted_largest(a: int, b: int) -> int | None:
+        """The largest grid value in (a, b) the model says fits (None if none), by bisection."""
+        if b - a <= step or not predict_fits(model_at(a + step)):
+            return None
+        good, bad = a + step, b
+        while bad - good > step:
+            mid = good + ((bad - good) // (2 * step)) * step
+            mid = mid if mid > good else good + step
+            if predict_fits(model_at(mid)):
+                good = mid
+            else:
+                bad = mid
+        return good
+
+    for _ in range(max_probes):
+        lo, hi = bracket()
+        if lo is not None and ((hi is not None and hi - lo <= step) or lo >= hi_limit):
+            return SearchResult(axis, lo, "bracketed by probes", known, step)
+        if lo is None and lo_limit in known:
+            return SearchResult(axis, None, f"does not fit even at {axis} {lo_limit}", known, step)
+        a = lo if lo is not None else lo_limit - step
+        b = hi if hi is not None else hi_limit + step
+        guess = predicted_largest(a, b)
+        if guess is None:
+            if lo is None:
+                guess = lo_limit
+            else:  # the model agrees that the largest fitting probe is the answer
+                return SearchResult(axis, lo, f"a probe at {lo} fits; {lo + step} is predicted not to", known, step)
+        if guess in known:
+            guess = a + max(1, (b - a) // (2 * step)) * step  # bisect the bracket instead
+        known[guess] = fits_at(guess)
+        if known[guess] and guess + step not in known and (
+                guess >= hi_limit or not predict_fits(model_at(grid(guess + step)))):
+            return SearchResult(axis, guess, f"a probe at {guess} fits; {guess + step} is predicted not to",
+                                known, step)
+    lo, hi = bracket()
+    how = "bracketed by probes" if lo is not None and hi is not None and hi - lo <= step \
+        else "probe budget used up: the largest probe that fits"
+    return SearchResult(axis, lo, how, known, step)
+
+
+# --- the whole plan ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PlanResult:
+    """Everything ``megacompile plan`` reports; ``to_dict()`` is the ``--json`` object."""
+
+    model: dict
+    hardware: dict
+    step: dict
+    fits: bool
+    device: dict
+    host: dict
+    transfers: dict
+    time: dict
+    problems: list
+    suggestions: list
+    max_seq_len: dict | None
+    method: dict
+    depth_plan: DepthPlan | None = dataclasses.field(default=None, repr=False)
+    trace: Trace | None = dataclasses.field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("depth_plan", "trace")}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=_json_default)
+
+    def to_text(self) -> str:
+        return format_text(self.to_dict())
+
+
+def _json_default(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def _where(at: tuple) -> str:
+    phase, layer, node = at
+    return f"{phase} of {layer or 'the loss'} (node {node})"
+
+
+def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: int, precision: str = "fp32",
+               budget: int | None = None, host_memory: int | None = None, k: int = DEFAULT_TRACED_LAYERS,
+               max_seq_len: bool = False, search: bool = True, seq_multiple: int = 128, max_probes: int = 5,
+               model_name: str | None = None) -> PlanResult:
+    """Plan one training step of the model ``config`` on ``profile`` (see the module docstring).
+
+    ``budget``: device bytes (default: the profile's HBM); ``host_memory``: host bytes
+    (default: the profile's host memory; None there means unknown, not checked).
+    ``max_seq_len``: also find the largest sequence length that fits. ``search``: when the
+    step does not fit the device, find the largest batch / sequence length that does.
+    ``seq_multiple``: the grid of sequence lengths searched.
+    """
+    t_start = time.perf_counter()
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch and seq_len must be >= 1, got batch={batch}, seq_len={seq_len}")
+    num_layers = int(config.get("num_hidden_layers") or 0)
+    if num_layers < 2:
+        raise PlanError(f"the model has {num_layers} decoder layer(s); plan needs at least 2")
+    k = min(k, num_layers)
+    budget = int(budget if budget is not None else profile.hbm_bytes)
+    host_memory = host_memory if host_memory is not None else profile.host_memory_bytes
+    num_params = count_parameters(config)
+    static_host = host_bytes(num_params, precision)
+    host_free = None if host_memory is None else max(0, host_memory - static_host["total_bytes"])
+
+    traces: dict = {}  # (batch, seq_len) -> Trace
+
+    def trace_at(b: int, s: int, complete: bool = True) -> Trace:
+        if (b, s) not in traces or (complete and not traces[(b, s)].complete):
+            traces[(b, s)] = trace_model(config, profile, batch=b, seq_len=s, precision=precision, k=k,
+                                         skip_if_keep_fits=None if complete else budget)
+        return traces[(b, s)]
+
+    # When keeping every activation fits, the other policies are not built (unless a search
+    # of the sequence length needs them).
+    trace = trace_at(batch, seq_len, complete=max_seq_len)
+    traced_params = sum(trace.param_bytes_by_layer.values()) // _DEVICE_PARAM_BYTES[precision]
+    expected = count_parameters({**config, "num_hidden_layers": k})
+    if traced_params != expected:
+        raise PlanError(f"the traced {k}-layer model has {traced_params} parameters, but counting from the "
+                        f"config gives {expected}: the config and the built model disagree")
+
+    chosen, smallest, keep = choose_plan(trace, num_layers, budget=budget, host_free=host_free)
+    shown = chosen or smallest or keep
+    device_fits = chosen is not None
+    host = host_bytes(num_params, precision, shown.offloaded_activation_bytes)
+    host_fits = host_memory is None or host["total_bytes"] <= host_memory
+    pol = trace.policies
+
+    def fits_memory(model) -> bool:
+        return _min_peak(model, num_layers, host_free) <= budget
+
+    searches: dict = {}
+
+    def search_axis(axis: str) -> SearchResult:
+        if axis == "seq_len":
+            probe_traces = {s: t for (b, s), t in traces.items() if b == batch}
+
+            def fits_at(s: int) -> bool:
+                probe_traces[s] = trace_at(batch, s)
+                return fits_memory(probe_traces[s])
+
+            step = max(1, min(seq_multiple, seq_len))
+            return search_largest("seq_len", fits_at, probe_traces, start=seq_len, step=step, lo_limit=step,
+                                  hi_limit=max(seq_len, 1 << 21), predict_fits=fits_memory, max_probes=max_probes)
+        probe_traces = {b: t for (b, s), t in traces.items() if s == seq_len}
+
+        def fits_at(b: int) -> bool:
+            probe_traces[b] = trace_at(b, seq_len)
+            return fits_memory(probe_traces[b])
+
+        return search_largest("batch", fits_at, probe_traces, start=batch, step=1, lo_limit=1,
+                              hi_limit=max(batch, 1 << 16), predict_fits=fits_memory, max_probes=max_probes)
+
+    problems: list = []
+    suggestions: list = []
+    if not device_fits:
+        need = smallest.peak_bytes if smallest is not None else None
+        problems.append({
+            "resource": "device memory", "needed_bytes": need, "available_bytes": budget,
+            "short_by_bytes": None if need is None else need - budget,
+            "message": (f"device memory runs out: the smallest plan ({smallest.summary}) needs "
+                        f"{format_bytes(need)}, the budget is {format_bytes(budget)} "
+                        f"(short by {format_bytes(need - budget)})") if smallest is not None else
+                       "device memory runs out: no plan fits while its offloaded activations fit the host",
+        })
+        if need is not None:
+            over_hbm = need > profile.hbm_bytes
+            suggestions.append({
+                "change": "budget", "value": need,
+                "message": f"a device budget of at least {format_bytes(need)} ({need} bytes)"
+                           + (f", more than the {profile.name}'s {format_bytes(profile.hbm_bytes)}" if over_hbm else ""),
+            })
+        if search:
+            if batch > 1:
+                searches["batch"] = search_axis("batch")
+                r = searches["batch"]
+                suggestions.append({"change": "batch", "value": r.value,
+                                    "message": (f"batch {r.value} (at seq_len {seq_len})" if r.value
+                                                else f"no batch fits at seq_len {seq_len}")})
+            searches["seq_len"] = search_axis("seq_len")
+            r = searches["seq_len"]
+            suggestions.append({"change": "seq_len", "value": r.value,
+                                "message": (f"seq_len {r.value} (at batch {batch})" if r.value
+                                            else f"no sequence length fits at batch {batch}")})
+    if not host_fits:
+        problems.append({
+            "resource": "host memory", "needed_bytes": host["total_bytes"], "available_bytes": host_memory,
+            "short_by_bytes": host["total_bytes"] - host_memory,
+            "message": (f"host memory runs out: parameters, gradients and optimizer state "
+                        f"({host['bytes_per_param']} B/param x {num_params:,})"
+                        + (" and offloaded activations" if shown.offloaded_activation_bytes else "")
+                        + f" need {format_bytes(host['total_bytes'])}, the host has {format_bytes(host_memory)} "
+                        f"(short by {format_bytes(host['total_bytes'] - host_memory)})"),
+        })
+        suggestions.append({"change": "host_memory", "value": host["total_bytes"],
+                            "message": f"a host with at least {format_bytes(host['total_bytes'])} of memory "
+                                       f"(--host-memory {host['total_bytes']})"})
+    max_seq = None
+    if max_seq_len:
+        r = searches.get("seq_len") or search_axis("seq_len")
+        searches["seq_len"] = r
+        max_seq = {"value": r.value, "batch": batch, "grid": r.step, "how": r.how,
+                   "probes": {str(x): ok for x, ok in sorted(r.probes.items())}}
+        if r.value is not None and r.value > int(config.get("max_position_embeddings") or r.value):
+            max_seq["note"] = (f"above the model's max_position_embeddings "
+                               f"({config['max_position_embeddings']})")
+
+    # Time, bytes and FLOPs of the plan shown.
+    from .cost_model import device_flops, roofline_floor
+
+    plan = shown
+    step_s = plan.step_s
+    lanes = dict(plan.lanes_s)
+    bottleneck = max(lanes, key=lambda lane: lanes[lane])
+    tokens = batch * seq_len
+    directions = plan.bytes_by_direction
+    activations_in = activations_out = 0
+    if plan.counts["offload"]:
+        activations_in = plan.counts["offload"] * max(
+            0, pol["offload"].per_layer["backward_h2d_bytes"] - pol["keep"].per_layer["backward_h2d_bytes"])
+        activations_out = plan.counts["offload"] * pol["offload"].per_layer["forward_d2h_bytes"]
+    order = [p for p in ("offload", "recompute", "keep") if plan.counts[p]]
+    part_policy = {"early": order[0], "head": order[-1], "layers": "keep" if plan.counts["keep"] > 1 else order[-1]}
+    at = pol[part_policy[plan.peak_region]].where[plan.peak_region]
+    base = pol[plan.base_policy]
+    timings = {"total_s": time.perf_counter() - t_start,
+               "trace_s": [round(t.trace_s, 3) for t in traces.values()]}
+    return PlanResult(
+        model={"name": model_name, "model_type": config.get("model_type"), "parameters": num_params,
+               "layers": num_layers, "hidden_size": config.get("hidden_size"),
+               "intermediate_size": config.get("intermediate_size"), "vocab_size": config.get("vocab_size")},
+        hardware={"name": profile.name, "description": profile.description, "hbm_bytes": profile.hbm_bytes,
+                  "host_memory_bytes": profile.host_memory_bytes},
+        step={"batch": batch, "seq_len": seq_len, "tokens": tokens, "precision": precision},
+        fits=device_fits and host_fits,
+        device={
+            "fits": device_fits, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,
+            "plan": plan.summary, "layer_policy_counts": plan.counts,
+            "peak_at": {"early": "embedding / first layer: ", "layers": "a decoder layer (the last of its policy): ",
+                        "head": "head and loss: "}[plan.peak_region] + _where(at),
+            "keep_all_peak_bytes": keep.peak_bytes,
+            "smallest_peak_bytes": smallest.peak_bytes if smallest is not None and trace.complete else None,
+            "extrapolation": {
+                "traced_layers": trace.k, "traced_plan": plan.base_policy,
+                "traced_peak_bytes": base.peak,
+                "saved_device_bytes_per_layer": {p: n.saved_device for p, n in pol.items()},
+                "formula": "peak(N) = max(early_k, late_k + (N - k) * saved_device_per_layer)"
+                           " (mixed plans: the largest working set of the policies used plus the sum of"
+                           " the layers' saved device bytes)",
+            },
+        },
+        host={
+            "fits": host_fits, "capacity_bytes": host_memory, "total_bytes": host["total_bytes"],
+            "pinned_bytes": host["pinned_bytes"], "pageable_bytes": host["pageable_bytes"],
+            "parts_bytes": host["parts"], "bytes_per_param": host["bytes_per_param"],
+            "layout": {
+                "fp32": "pinned: fp32 weights (4 B) + fp32 gradients (4 B); pageable: AdamW exp_avg + exp_avg_sq (8 B)",
+                "bf16": "pinned: bf16 weights streamed to the device (2 B) + fp32 gradients (4 B); pageable: fp32 "
+                        "master weights (4 B) + AdamW exp_avg + exp_avg_sq (8 B)",
+            }[precision] + ("; plus offloaded activations (pinned)" if plan.offloaded_activation_bytes else ""),
+        },
+        transfers={
+            "h2d_bytes": plan.h2d_bytes, "d2h_bytes": plan.d2h_bytes,
+            "h2d": {"parameters_forward": directions["forward_h2d_bytes"],
+                    "parameters_backward": directions["backward_h2d_bytes"] - activations_in,
+                    "activations": activations_in},
+            "d2h": {"gradients": directions["backward_d2h_bytes"], "activations": activations_out,
+                    "outputs": directions["forward_d2h_bytes"] - activations_out},
+        },
+        time={
+            "step_s": step_s, "lanes_s": lanes, "bottleneck": bottleneck,
+            "tokens_per_s": tokens / step_s if step_s > 0 else None,
+            "achieved_tflops": plan.flops / step_s / 1e12 if step_s > 0 else None,
+            "mfu": plan.model_flops / step_s / device_flops(profile, precision) if step_s > 0 else None,
+            "flops": plan.flops, "model_flops": plan.model_flops,
+            "roofline_s": roofline_floor(lanes["compute"], plan.h2d_bytes, plan.d2h_bytes,
+                                         trace.host_optimizer["bytes"], profile),
+            "host_optimizer_params": trace.host_optimizer["params"],
+        },
+        problems=problems,
+        suggestions=suggestions,
+        max_seq_len=max_seq,
+        method={
+            "traced_layers": trace.k, "device": "meta", "policies_built": list(trace.policies),
+            "repeat_check": {"identical": True, "quantities": sorted(trace.layer_checks)},
+            "probes": [{"batch": b, "seq_len": s} for (b, s) in traces],
+            "seconds": timings,
+        },
+        depth_plan=plan, trace=trace,
+    )
+
+
+# --- text ----------------------------------------------------------------------------------------
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
+
+
+def format_text(r: dict) -> str:
+    m, hw, st, dev, host, tr, tm = (r[key] for key in ("model", "hardware", "step", "device", "host", "transfers", "time"))
+    gib = format_bytes
+    ok = lambda flag: "fits" if flag else "DOES NOT FIT"  # noqa: E731
+    ext = dev["extrapolation"]
+    lines = [
+        f"megacompile plan: {m['name'] or m['model_type']} on {hw['name']}, batch {st['batch']} x seq {st['seq_len']} "
+        f"= {st['tokens']:,} tokens/step, {st['precision']}",
+        f"  model            {m['model_type']}, {m['parameters'] / 1e9:.2f} B parameters, {m['layers']} decoder layers "
+        f"(hidden {m['hidden_size']}, MLP {m['intermediate_size']}, vocab {m['vocab_size']})",
+        f"  method           traced {ext['traced_layers']} layers on the meta device with the megatrain backend "
+        f"({len(r['method']['probes'])} plan(s), {r['method']['seconds']['total_s']:.1f} s); layers identical, "
+        f"extrapolated to {m['layers']}",
+        "",
+        f"device memory      {ok(dev['fits'])}",
+        f"  plan             {dev['plan']}",
+        f"  peak             {gib(dev['peak_bytes'])} of {gib(dev['budget_bytes'])} budget "
+        f"({dev['peak_bytes'] / dev['budget_bytes']:.0%})",
+        f"  peak at          {dev['peak_at']}",
+        f"  extrapolation    {ext['traced_layers']}-layer {ext['traced_plan']} plan {gib(ext['traced_peak_bytes'])}; "
+        f"saved on the device per layer: "
+        + ", ".join(f"{p} {gib(n)}" for p, n in ext["saved_device_bytes_per_layer"].items()),
+        f"  keep-all peak    {gib(dev['keep_all_peak_bytes'])}; smallest plan "
+        + (gib(dev['smallest_peak_bytes']) if dev['smallest_peak_bytes'] is not None
+           else "not planned (keeping everything fits)"),
+        "",
+        f"host memory        {ok(host['fits'])}",
+        f"  total            {gib(host['total_bytes'])} of "
+        f"{gib(host['capacity_bytes']) if host['capacity_bytes'] else 'unknown (not checked)'}"
+        f" ({host['bytes_per_param']} B/param)",
+        f"  pinned           {gib(host['pinned_bytes'])}",
+        f"  pageable         {gib(host['pageable_bytes'])}",
+        "  parts            " + ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in host["parts_bytes"].items()),
+        f"  layout           {host['layout']}",
+        "",
+        "transfers per step",
+        f"  host -> device   {gib(tr['h2d_bytes'])}: parameters forward {gib(tr['h2d']['parameters_forward'])}, "
+        f"backward {gib(tr['h2d']['parameters_backward'])}, activations {gib(tr['h2d']['activations'])}",
+        f"  device -> host   {gib(tr['d2h_bytes'])}: gradients {gib(tr['d2h']['gradients'])}, "
+        f"activations {gib(tr['d2h']['activations'])}",
+        "",
+        "time per step (cost model)",
+        f"  step             {_seconds(tm['step_s'])} (roofline floor {_seconds(tm['roofline_s'])})",
+        "  lanes            " + " | ".join(f"{k.replace('_', ' ')} {_seconds(v)}" for k, v in tm["lanes_s"].items())
+        + f"  -> bottleneck: {tm['bottleneck'].replace('_', ' ')}",
+        f"  throughput       {tm['tokens_per_s']:,.0f} tokens/s, {tm['achieved_tflops']:.1f} TFLOPS, "
+        f"MFU {tm['mfu']:.1%}",
+    ]
+    if r.get("max_seq_len"):
+        ms = r["max_seq_len"]
+        value = f"{ms['value']:,}" if ms["value"] else "none"
+        lines += ["", f"max seq len        {value} at batch {ms['batch']} (grid {ms['grid']}; {ms['how']}; "
+                      f"{len(ms['probes'])} probes)" + (f"; {ms['note']}" if ms.get("note") else "")]
+    lines.append("")
+    if r["fits"]:
+        lines.append("verdict            fits")
+    else:
+        lines.append("verdict            DOES NOT FIT")
+        for p in r["problems"]:
+            lines.append(f"  - {p['message']}")
+        if r["suggestions"]:
+            lines.append("  smallest changes that fit:")
+            for s in r["suggestions"]:
+                lines.append(f"  - {s['message']}")
+    return "\n".join(lines)
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `megacompile plan`."""
+    parser.add_argument("model", metavar="MODEL",
+                        help=f"a preset ({', '.join(known_presets())}) or a path to a Hugging Face config.json")
+    parser.add_argument("--hardware", required=True, metavar="NAME",
+                        help=f"a hardware profile ({', '.join(known_profiles())}) or a JSON written by calibrate")
+    parser.add_argument("--seq-len", type=int, required=True, metavar="N", help="tokens per sequence")
+    parser.add_argument("--batch", type=int, required=True, metavar="N", help="sequences per step")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="fp32 (default) or bf16")
+    parser.add_argument("--host-memory", default=None, metavar="SIZE",
+                        help="host RAM, e.g. 1.5TB or 512GiB (default: the profile's)")
+    parser.add_argument("--budget", default=None, metavar="SIZE",
+                        help="device memory budget, e.g. 60GiB (default: the profile's HBM)")
+    parser.add_argument("--max-seq-len", action="store_true",
+                        help="also find the largest sequence length that fits (a few more plans)")
+    parser.add_argument("--seq-multiple", type=int, default=128, metavar="N",
+                        help="sequence lengths searched are multiples of N (default: 128)")
+    parser.add_argument("--traced-layers", type=int, default=DEFAULT_TRACED_LAYERS, metavar="K",
+                        help=f"decoder layers traced and planned before extrapolating (default: {DEFAULT_TRACED_LAYERS})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _quiet():
+    """Keep tracing noise (PyTorch warnings and log lines) off the terminal."""
+    import logging
+    import warnings
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("ignore")
+    for name in ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx", "torch._logging",
+                 "torch.utils._sympy", "transformers"):
+        logger = logging.getLogger(name)
+        old = logger.level
+        logger.setLevel(logging.ERROR)
+        stack.callback(logger.setLevel, old)
+    return stack
+
+
+def run(args: argparse.Namespace) -> int:
+    def usage_error(message: str) -> int:
+        print(f"megacompile plan: error: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        config = load_model_config(args.model)
+    except ValueError as e:
+        return usage_error(str(e))
+    try:
+        profile = get_profile(args.hardware)
+    except ValueError as e:
+        return usage_error(str(e))
+    try:
+        budget = parse_bytes(args.budget, "--budget") if args.budget is not None else None
+        host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
+    except OptionsError as e:
+        return usage_error(str(e))
+    if args.batch < 1 or args.seq_len < 1:
+        return usage_error("--batch and --seq-len must be >= 1")
+    if args.traced_layers < 2 or args.seq_multiple < 1:
+        return usage_error("--traced-layers must be >= 2 and --seq-multiple >= 1")
+    try:
+        count_parameters(config)
+    except ValueError as e:
+        return usage_error(str(e))
+    name = args.model if args.model in known_presets() else config.get("_name_or_path") or args.model
+    try:
+        with _quiet():
+            result = plan_model(config, profile, batch=args.batch, seq_len=args.seq_len, precision=args.precision,
+                                budget=budget, host_memory=host_memory, k=args.traced_layers,
+                                max_seq_len=args.max_seq_len, seq_multiple=args.seq_multiple, model_name=name)
+    except PlanError as e:
+        print(f"megacompile plan: error: {e}", file=sys.stderr)
+        return 2
+    print(result.to_json() if args.json else result.to_text())
+    return 0 if result.fits else 1
+
+
+# The row of cli.SUBCOMMANDS: (name, help, add_arguments, run). Exit codes: 0 fits, 1 does not
+# fit (the output says which resource and the smallest change), 2 bad input.
+SUBCOMMAND = ("plan", "will a model's training step fit on this hardware, and how fast (plans a few layers on the "
+              "meta device with the megatrain backend and extrapolates)", add_arguments, run)

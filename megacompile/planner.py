@@ -70,13 +70,15 @@ def plan_training(
     options,
     profile,
     predict_seconds: Callable[[Attempt], float],
+    resident_candidates: list[str] | None = None,
 ) -> Attempt:
     budget = options.memory_budget
     allow_recompute = options.recompute != "never"
 
-    def make(default: str, per_layer: dict[str, str] | None = None, name: str = "") -> Attempt:
+    def make(default: str, per_layer: dict[str, str] | None = None, name: str = "",
+             resident: list[str] | None = None) -> Attempt:
         plan = TrainingPlan(policy=name or default, budget=budget, default_policy=default,
-                            layer_policy=dict(per_layer or {}))
+                            layer_policy=dict(per_layer or {}), resident=list(resident or []))
         return build(plan)
 
     def fits(a: Attempt) -> bool:
@@ -88,6 +90,14 @@ def plan_training(
             return a
         _raise([a], budget)
 
+    if resident_candidates and not {"resident_parameters", "stream_parameters"} & set(options.disable_passes):
+        # Room for everything: parameters used by both passes stay on the device for the
+        # step (one load per step instead of two).
+        roomy = make("keep", name="keep (parameters resident)", resident=resident_candidates)
+        if fits(roomy):
+            roomy.plan.reason = (f"everything fits with {len(resident_candidates)} parameter(s) resident for the "
+                                 f"step: one load each per step instead of two")
+            return roomy
     keep = make("keep")
     if fits(keep):
         return keep

@@ -28,6 +28,21 @@ def _fail(ctx, message: str) -> None:
     raise InvariantViolation(f"{ctx.stage} graph after pass '{last}': {message}")
 
 
+def _reaches_output(node: fx.Node) -> bool:
+    """The value (or a view of it) is handed on by the graph: a planned resident copy."""
+    from megacompile.node_info import is_view_node
+
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        for u in cur.users:
+            if u.op == "output":
+                return True
+            if is_view_node(u):
+                stack.append(u)
+    return False
+
+
 def check(gm: fx.GraphModule, ctx) -> None:
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
@@ -51,11 +66,15 @@ def check(gm: fx.GraphModule, ctx) -> None:
                 from .stream_parameters import alias_uses
 
                 uses = alias_uses(node)
-                if len(waits) != 1 or len(evicts) != 1:
-                    _fail(ctx, f"{node.name} needs exactly one wait and one evict, has {len(waits)} and {len(evicts)}")
+                crosses = ctx.stage == "forward" and _reaches_output(node)
+                if crosses and info(node).decision != "resident":
+                    _fail(ctx, f"loaded parameter copy {node.name} crosses from forward to backward")
+                if len(waits) != 1 or len(evicts) != (0 if crosses else 1):
+                    _fail(ctx, f"{node.name} needs exactly one wait and {'no' if crosses else 'one'} evict, "
+                               f"has {len(waits)} and {len(evicts)}")
                 if any(position[u] < position[waits[0]] for u in uses):
                     _fail(ctx, f"{node.name} is used before its wait")
-                if any(position[u] > position[evicts[0]] for u in uses):
+                if evicts and any(position[u] > position[evicts[0]] for u in uses):
                     _fail(ctx, f"{node.name} is used after its evict")
                 if not uses:
                     _fail(ctx, f"{node.name} is loaded but never used")
@@ -76,7 +95,7 @@ def check(gm: fx.GraphModule, ctx) -> None:
                 continue
             if not isinstance(value.meta.get("val"), torch.Tensor):
                 continue  # a saved size (SymInt), not memory
-            if value.target is ops.load:
+            if value.target is ops.load and info(value).decision != "resident":
                 _fail(ctx, f"loaded parameter copy {value.name} crosses from forward to backward")
             if value.name not in planned:
                 _fail(ctx, f"device value {value.name} crosses from forward to backward but the plan did not save it")

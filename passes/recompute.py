@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from megacompile import _torch_compat as compat
+from megacompile import ops
 from megacompile.node_info import info, is_view_node
 
 NAME = "recompute"
@@ -118,7 +119,9 @@ def choose_saved(joint: fx.GraphModule, layer_policy: dict[str, str],
     def save(n: fx.Node, reason: str) -> None:
         if n not in saved:
             saved[n] = None
-            if n.op != "placeholder" and policy_of(n) == "offload":
+            if n.target is ops.load:
+                _mark(n, "resident", reason)
+            elif n.op != "placeholder" and policy_of(n) == "offload":
                 _mark(n, "offload", f"layer '{info(n).layer}' offloads its saved activations to the host")
             else:
                 _mark(n, "save", reason)
@@ -140,6 +143,9 @@ def choose_saved(joint: fx.GraphModule, layer_policy: dict[str, str],
             # A size (dynamic shapes) a replayed op needs: saved as a SymInt, not a tensor.
             if n not in saved_sym:
                 saved_sym.append(n)
+            continue
+        if n.target is ops.load:
+            save(n, "resident parameter: its device copy serves the backward too")
             continue
         roots = _host_view_roots(n, view_memo)
         if roots is not None:

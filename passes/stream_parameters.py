@@ -57,11 +57,27 @@ def alias_uses(value: fx.Node) -> list[fx.Node]:
     return found
 
 
+def _wait_for_resident_loads(gm: fx.GraphModule, position: dict) -> None:
+    """Loads the plan placed for resident parameters need their wait before first use."""
+    graph = gm.graph
+    for load in [n for n in graph.nodes if n.target is ops.load]:
+        if any(u.target is ops.wait for u in load.users):
+            continue
+        uses = sorted((u for u in load.users if u in position), key=position.__getitem__)
+        if not uses:
+            continue
+        with graph.inserting_before(uses[0]):
+            wait = graph.create_node("call_function", ops.wait, (load,), name=f"wait__{identifier(info(load).source)}")
+        wait.meta["megatrain"] = NodeInfo(layer=info(load).layer, role="memory", phase=info(uses[0]).phase,
+                                          placement="device", source=info(load).source)
+
+
 def run(gm: fx.GraphModule, ctx) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
     compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n)]
     position = {n: i for i, n in enumerate(compute)}
+    _wait_for_resident_loads(gm, position)
     runs = _layer_runs(compute)
     run_starts = [start for _, start in runs]
     depth = ctx.options.prefetch_depth

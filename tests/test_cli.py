@@ -17,7 +17,7 @@ import pytest
 from megacompile import cli
 
 PASSES = {
-    "joint": ["annotate", "recompute"],
+    "joint": ["annotate", "resident_parameters", "recompute"],
     "forward": ["annotate", "stream_parameters", "offload_gradients"],
     "backward": ["annotate", "recompute", "stream_parameters", "offload_gradients"],
 }
@@ -90,9 +90,9 @@ def test_inspect_prints_every_pass_with_provenance(train_script, capsys):
     assert "megatrain.offload(" in backward
 
     # Plan summary and the step report come before the snapshots.
-    assert "plan         policy keep, planned peak" in captured.out
+    assert "plan         policy keep (parameters resident), planned peak" in captured.out
     assert "reason       " in captured.out
-    assert "megatrain step report (cpu, lowering=eager, policy=keep)" in captured.out
+    assert "megatrain step report (cpu, lowering=eager, policy=keep (parameters resident))" in captured.out
     assert "optimizer (host) [00] optimizer / captured" in captured.out
     # The script saw its own argv and the inspect marker; its prints went to stderr.
     assert "argv ['--steps', '2'] inspect 1" in captured.err
@@ -113,20 +113,20 @@ def test_inspect_out_writes_one_file_per_snapshot(train_script, tmp_path, capsys
         f"only the training graph has forward/backward snapshots: {graph_dirs}"
     label = graph_dirs[0]
     names = sorted(os.listdir(out_dir / label))
-    # NN counts each snapshot's position in the graph's pipeline (joint 00-02 are unselected).
+    # NN counts each snapshot's position in the graph's pipeline (joint 00-03 are unselected).
     assert names == [
-        "03-forward-captured.py", "04-forward-annotate.py", "05-forward-stream_parameters.py",
-        "06-forward-offload_gradients.py", "11-backward-offload_gradients.py",
+        "04-forward-captured.py", "05-forward-annotate.py", "06-forward-stream_parameters.py",
+        "07-forward-offload_gradients.py", "12-backward-offload_gradients.py",
     ]
-    streamed = (out_dir / label / "05-forward-stream_parameters.py").read_text()
+    streamed = (out_dir / label / "06-forward-stream_parameters.py").read_text()
     assert streamed.splitlines()[0].startswith(
-        f"# megacompile inspect: {label} [05] forward / stream_parameters -- pass stream_parameters: created")
+        f"# megacompile inspect: {label} [06] forward / stream_parameters -- pass stream_parameters: created")
     assert "megatrain.load(" in streamed
-    assert "megatrain.offload(" in (out_dir / label / "11-backward-offload_gradients.py").read_text()
+    assert "megatrain.offload(" in (out_dir / label / "12-backward-offload_gradients.py").read_text()
 
     summary = (out_dir / "summary.txt").read_text()
     assert "policy keep" in summary and "megatrain step report" in summary
-    assert str(out_dir / label / "03-forward-captured.py") in summary
+    assert str(out_dir / label / "04-forward-captured.py") in summary
     # With --out, stdout has the summary only, not the graphs.
     assert "def program(" not in printed and "files:" in printed
 
@@ -137,17 +137,17 @@ def test_inspect_json_of_a_module(train_script, tmp_path, capsys, monkeypatch):
     assert cli.main(["inspect", "--format", "json", "-m", "train_mlp"]) == 0
     data = json.loads(capsys.readouterr().out)  # the script's prints must not be in stdout
 
-    training = next(g for g in data["graphs"] if g["plan"] and g["plan"]["policy"] == "keep")
+    training = next(g for g in data["graphs"] if g["plan"] and g["plan"]["policy"].startswith("keep"))
     stages = training["stages"]
     for graph, passes in PASSES.items():
         assert [s["stage"] for s in stages[graph]] == ["captured", *passes]
     last_forward = stages["forward"][-1]
     assert last_forward["provenance"]["pass"] == "offload_gradients"
-    assert last_forward["file"] == f"{training['directory']}/06-forward-offload_gradients.py"
+    assert last_forward["file"] == f"{training['directory']}/07-forward-offload_gradients.py"
     assert "megatrain.load(" in last_forward["text"]
     assert "megatrain.offload(" in stages["backward"][-1]["text"]
     assert training["plan"]["peak_bytes"] > 0 and training["plan"]["reason"]
-    assert data["report"]["policy"] == "keep" and data["report"]["layers"]
+    assert data["report"]["policy"].startswith("keep") and data["report"]["layers"]
     assert any(g["label"] == "optimizer (host)" for g in data["graphs"])
     assert data["script"] == "-m train_mlp"
 

@@ -114,7 +114,22 @@ def _train_record(**options):
 
 @pytest.fixture
 def trained():
-    return _train_record()
+    # Streaming invariants: every parameter streams (no resident parameters).
+    return _train_record(disable_passes=["resident_parameters"])
+
+
+def test_resident_parameters_load_once_and_cross_as_planned():
+    """With room for everything, parameters read by both passes load once per step."""
+    _, record = _train_record()
+    assert record.plan.resident, record.plan
+    fwd_loads = [n for n in record.forward.graph.nodes if n.target is ops.load]
+    resident = [n for n in fwd_loads if n.meta["megatrain"].decision == "resident"]
+    assert {n.meta["megatrain"].source for n in resident} == set(record.plan.resident)
+    for load in resident:
+        assert sum(u.target is ops.wait for u in load.users) == 1
+        assert not any(u.target is ops.evict for u in load.users)
+    bwd_loaded = {n.args[1] for n in record.backward.graph.nodes if n.target is ops.load}
+    assert not bwd_loaded & set(record.plan.resident)
 
 
 def _is_compute(node: fx.Node) -> bool:

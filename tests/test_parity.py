@@ -81,13 +81,13 @@ def test_tighter_budget_makes_the_planner_offload_or_recompute():
     x, y = make_batch(torch.Generator().manual_seed(1))
     roomy(x, y)
     generous = megacompile.last_report()
-    assert generous.policy == "keep"
+    assert generous.policy.startswith("keep")
     torch._dynamo.reset()
     tight = torch.compile(step, backend="megatrain",
                           options={"device": "cpu", "lowering": "eager", "memory_budget": state // 4})
     tight(x, y)
     report = megacompile.last_report()
-    assert report.policy != "keep"
+    assert not report.policy.startswith("keep")
     offloaded_or_recomputed = len(report.recomputed_ops) > len(generous.recomputed_ops) or (
         report.d2h_bytes > generous.d2h_bytes)
     assert offloaded_or_recomputed, str(report)

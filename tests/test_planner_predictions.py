@@ -46,7 +46,7 @@ def _run(name: str, budget: int | None):
 def test_predictions_hold_from_generous_to_minimum_budget(name):
     generous_report, generous_plan, _ = _run(name, None)
     # Everything fits: nothing recomputed (beyond re-deriving views of parameters) or offloaded.
-    assert generous_plan.policy == "keep"
+    assert generous_plan.policy.startswith("keep")
     assert not any(p in ("recompute", "offload") for p in generous_plan.layer_policy.values())
     assert all(info_phase_is_view(op) for op in generous_report.recomputed_ops)
     assert generous_report.d2h_bytes == sum(r.param_bytes for r in generous_report.layers) + 4  # grads + loss
