@@ -20,10 +20,9 @@ __all__ = [
 
 
 def _register_backend() -> None:
-    from torch._dynamo import list_backends, register_backend
+    from ._torch_compat import register_dynamo_backend
 
-    if "megatrain" not in list_backends(exclude_tags=()):
-        register_backend(megatrain, name="megatrain")
+    register_dynamo_backend(megatrain, "megatrain")
 
 
 _register_backend()

@@ -135,3 +135,33 @@ def int_hint(x) -> int:
         if fn is not None:
             return int(fn(x))
     return int(x.node.hint)
+
+
+# --- Op types and small private entry points --------------------------------------------
+OpOverload = torch._ops.OpOverload
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+
+def reset_dynamo() -> None:
+    """Forget every compiled frame (``torch._dynamo.reset``)."""
+    torch._dynamo.reset()
+
+
+def register_dynamo_backend(fn, name: str) -> None:
+    from torch._dynamo import list_backends, register_backend
+
+    if name not in list_backends(exclude_tags=()):
+        register_backend(fn, name=name)
+
+
+def has_composite_implicit_kernel(op) -> bool:
+    return bool(op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
+
+
+def foreach_add_(tensors, scalar) -> None:
+    torch._foreach_add_(tensors, scalar)
+
+
+def fused_adam_(decoupled: bool):
+    """torch's fused CPU Adam / AdamW kernels (``torch._fused_adam_`` / ``_fused_adamw_``)."""
+    return torch._fused_adamw_ if decoupled else torch._fused_adam_

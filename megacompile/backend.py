@@ -62,7 +62,7 @@ def check_placement(example_inputs: list, names: list[str], roles: list[str]) ->
 
 def _unsupported_reason(gm: fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        if node.op == "call_function" and isinstance(node.target, compat.HigherOrderOperator):
             return (f"the graph calls the higher-order op '{node.target.__name__}', whose subgraphs the "
                     f"streaming passes cannot rewrite yet")
     return None

@@ -24,7 +24,7 @@ import sys
 import traceback
 from typing import Any, Callable, NamedTuple, Sequence
 
-from . import calibrate
+from . import _torch_compat, calibrate
 
 PROG = "megacompile"
 
@@ -456,14 +456,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     fmt = args.format or "text"
     filters = _parse_stage_filters(args.stage)
 
-    import torch
-
     from .capture import COMPILED
 
     # Report only this script's graphs; and forget Dynamo's cache, or a function compiled
     # earlier in this process would be a cache hit here and show nothing.
     COMPILED.clear()
-    torch._dynamo.reset()
+    _torch_compat.reset_dynamo()
     shown = f"-m {script}" if args.as_module else script
     try:
         run_script(script, script_args, args.as_module)

@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils import flop_counter as _fc
 
+from . import _torch_compat as compat
 from . import ops
 from ._torch_compat import int_hint
 from .hardware import ADAMW_BYTES_PER_PARAM, HardwareProfile
@@ -153,11 +154,11 @@ _FORMULAS: dict | None = None
 _DECOMPOSES: dict = {}
 
 
-def _decomposes(op: torch._ops.OpOverload) -> bool:
+def _decomposes(op: compat.OpOverload) -> bool:
     found = _DECOMPOSES.get(op)
     if found is None:
         try:
-            found = bool(op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd))
+            found = compat.has_composite_implicit_kernel(op)
         except Exception:
             found = False
         _DECOMPOSES[op] = found
@@ -191,7 +192,7 @@ def node_flops(node: fx.Node) -> int:
     """
     global _FORMULAS
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, compat.OpOverload):
         return 0
     if target in ops.MEMORY_OPS or "val" not in node.meta:
         return 0
@@ -245,7 +246,7 @@ def node_bytes_touched(node: fx.Node) -> int:
     ``evict``, SymInt arithmetic and ops without a tensor result.
     """
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, compat.OpOverload):
         return 0
     out = node.meta.get("val")
     if target in (ops.load, ops.offload):

@@ -111,7 +111,7 @@ def is_tensor_node(node: fx.Node) -> bool:
 def is_view_node(node: fx.Node) -> bool:
     """Ops whose output aliases an input's storage (views), so they allocate nothing."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, _compat_op_overload()):
         return False
     if target in _UNDECLARED_VIEWS:
         return True
@@ -170,3 +170,9 @@ def layer_of_module_path(path: str) -> str | None:
 def identifier(name: str) -> str:
     """A readable identifier from a dotted name: ``layers.3.mlp.up.weight`` -> ``layers_3_mlp_up_weight``."""
     return re.sub(r"[^0-9A-Za-z_]", "_", name)
+
+
+def _compat_op_overload():
+    from ._torch_compat import OpOverload
+
+    return OpOverload

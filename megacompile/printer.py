@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from . import _torch_compat as compat
 from .node_info import has_info, info
 
 _DTYPE = {
@@ -31,12 +32,12 @@ def describe_value(val: Any) -> str:
 
 def _target_name(node: fx.Node) -> str:
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, compat.OpOverload):
         ns = t.namespace
         name = t._schema.name.split("::")[-1]
         overload = t._overloadname
         return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
-    if isinstance(t, torch._ops.HigherOrderOperator):
+    if isinstance(t, compat.HigherOrderOperator):
         return f"higher_order.{t.__name__}"
     return getattr(t, "__name__", str(t))
 

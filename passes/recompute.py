@@ -61,7 +61,7 @@ def _num_forward_outputs(joint: fx.GraphModule, fwd_set: set) -> int:
 
 def _is_random(node: fx.Node) -> bool:
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    return isinstance(target, compat.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
 def _host_view_roots(node: fx.Node, memo: dict) -> list[fx.Node] | None:

@@ -35,6 +35,8 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from megacompile import _torch_compat
+
 import torch
 
 __all__ = [
@@ -333,9 +335,9 @@ def torch_fused_adam_step(
             step_tensors = [torch.tensor(float(s)) for s in steps]
         else:
             step_tensors = list(steps)
-            torch._foreach_add_(step_tensors, 1)
+            _torch_compat.foreach_add_(step_tensors, 1)
         grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
-        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        fused = _torch_compat.fused_adam_(decoupled)
         fused(
             list(params),
             grads,
