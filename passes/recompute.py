@@ -157,8 +157,12 @@ def choose_saved(joint: fx.GraphModule, layer_policy: dict[str, str],
         producer = n.args[0] if n.target is operator.getitem else n
         random = isinstance(producer, fx.Node) and _is_random(producer)
         if isinstance(n.meta.get("val"), (tuple, list)):
-            # Save a tuple op's outputs, never the tuple itself.
-            worklist.extend(u for u in n.users if u.target is operator.getitem and u in fwd_set)
+            if _is_random(n) or policy_of(n) != "recompute":
+                # Save a tuple op's outputs, never the tuple itself.
+                worklist.extend(u for u in n.users if u.target is operator.getitem and u in fwd_set)
+            else:
+                _mark(n, "recompute", "inside a layer: replayed from the layer's input")
+                worklist.extend(i for i in n.all_input_nodes if i in fwd_set)
             continue
         policy = policy_of(n)
         if n.op == "placeholder" or random or policy != "recompute":
