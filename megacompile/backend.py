@@ -87,7 +87,14 @@ def _host_region(gm: fx.GraphModule, example_inputs: list, options: Options) -> 
     record.snapshots.append(GraphSnapshot("optimizer" if "optimizer" in label else "host", "captured",
                                           format_graph(gm, f"{label}: captured (runs on the host)"), 0, 0, 0.0))
     COMPILED.append(record)
-    if options.lowering == "inductor":
+    from .host_optimizer import fused_step_for
+
+    fused = fused_step_for(gm) if "optimizer" in label else None
+    if fused is not None:
+        # Adam / AdamW: the fused, vectorized host kernel instead of the captured op chain.
+        record.label = label = f"optimizer (host, fused {type(fused.optimizer).__name__})"
+        compiled = fused
+    elif options.lowering == "inductor":
         compiled = compat.inductor_compile(gm, example_inputs)
     else:
         compiled = gm.forward
