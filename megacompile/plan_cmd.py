@@ -9,22 +9,26 @@ The numbers come from the real megatrain pipeline, not from a formula of the mod
    ``torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})``
    and called once on meta ``input_ids`` of shape (batch, seq). Dynamo, AOTAutograd and the
    megatrain partitioner run as for a real step; inside the planner, the one joint graph is
-   built three times, under the uniform policies *keep*, *offload* and *recompute* (the same
-   ``build`` the planner uses: passes, split, rewrite, liveness estimate), and compilation
-   stops there: planning needs no execution (``test_plan_cmd`` also runs a whole step on
-   meta tensors to show the runtime itself works on them).
+   built under each uniform policy the planner's candidates are made of (the same ``build``
+   the planner uses: passes, split, rewrite, liveness estimate): *keep*, *keep with the
+   parameters resident*, and, unless keeping everything fits at full depth, *offload*,
+   *recompute* and four two-policy "pair" plans; compilation stops there: planning needs no
+   execution (``test_plan_cmd`` also runs a whole step on meta tensors to show the runtime
+   itself works on them).
 2. **Check the repeat.** The ``k`` decoder layers must have identical per-layer numbers
    (parameter bytes, saved activation bytes under each policy, FLOPs forward and backward,
-   bytes loaded and offloaded, op counts); otherwise the extrapolation is refused.
+   bytes loaded and offloaded, compute time); otherwise the extrapolation is refused.
 3. **Extrapolate to the full depth N** (repeated layers are compiled and planned once):
-   per-layer quantities x N plus the embedding, final norm and head once; the device peak
-   as explained in ``full_depth_peak``; time with the cost model
-   (``cost_model.step_time`` of the traced program, per-layer lane times x N).
-4. **Choose the plan the planner would choose** for N identical layers: keep everything if
-   it fits, otherwise the per-layer mix of keep / offload / recompute with the least price
-   under the planner's own prices (offload: saved bytes over the link both ways; recompute:
-   the layer's forward again) whose extrapolated peak fits the budget (and whose offloaded
-   activations fit the host).
+   per-layer quantities x N plus the embedding, final norm and head once (``evaluate``); the
+   device peak as explained in ``full_depth_peak``; time with the cost model
+   (``cost_model.step_time`` of the traced program plus N-k steady-state layers).
+4. **Choose the plan the planner would choose** for N identical layers (``choose_plan``): its
+   first rung (parameters resident) or keep everything if that fits, otherwise the fastest
+   count of keep / offload / recompute layers whose extrapolated peak fits the budget and
+   whose offloaded activations fit the host, the smallest peak among equally fast ones.
+   The embedding, final norm, head and loss follow the policy of the layers next to them;
+   megatrain's planner can also choose for them alone, so under a tight budget it may find
+   a somewhat smaller peak than the smallest plan reported here.
 
 What runs on the meta device differs from a host trace in two places, both bridged here so
 that the traced program is exactly the one megatrain compiles for host-resident parameters
@@ -44,8 +48,10 @@ included; while tracing, meta parameters are exempted from it (see ``_meta_place
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import re
@@ -55,11 +61,15 @@ from typing import Any, Callable
 
 import torch
 
-from .hardware import ADAMW_BYTES_PER_PARAM, HardwareProfile, get_profile, known_profiles
+from .hardware import HardwareProfile, get_profile, known_profiles
 from .options import OptionsError, format_bytes, parse_bytes
 from .presets import build_transformers_config, count_parameters, known_presets, load_model_config
 
 POLICIES = ("keep", "offload", "recompute")
+# The planner's first rung, all or nothing: keep every activation, and keep the parameters both
+# passes read on the device for the whole step (loaded once instead of twice). Extrapolated
+# like a policy whose saved bytes per layer include the layer's resident parameters.
+RESIDENT = "resident"
 # Adjacent (earlier, later) layer policies a full-depth plan can have: the planner's solvers
 # upgrade the earliest layers first, so keep layers come last.
 PAIRS = (("offload", "keep"), ("recompute", "keep"), ("offload", "recompute"), ("recompute", "offload"))
@@ -205,23 +215,34 @@ def _meta_placement():
         backend.check_placement = original
 
 
+def _reset_dynamo() -> None:
+    from . import _torch_compat as compat
+
+    reset = getattr(compat, "reset_dynamo", None)
+    if reset is not None:
+        reset()
+    else:
+        torch._dynamo.reset()
+
+
 class _Traced(Exception):
     """Raised from inside the planner once the policies are built: nothing needs to run."""
 
 
 @contextlib.contextmanager
-def _capture_policies(out: dict, execute: bool = False, extra_plans: dict | None = None, pairs: bool = True,
+def _capture_policies(out: dict, extra_plans: dict | None = None, pairs: bool = True,
                       keep_suffices: Callable | None = None):
     """Replace the planner for one compile: build every uniform policy from the one joint graph.
 
     ``capture.TrainingCompiler.partition`` hands the planner a ``build(plan)`` that runs the
     passes on the joint graph under a plan and estimates the memory of the result. Here it is
-    called once per policy (``keep``, ``offload``, ``recompute``: what the planner's own
-    candidates are made of) and the attempts are kept in ``out``. Unless ``execute``, the
-    compile is then stopped (``_Traced``). ``extra_plans``: name -> per-layer policy dict
-    ({"model.layers.0": "offload", ...}), built too (for tests of mixed plans).
-    ``keep_suffices(keep_attempt, layers)``: when it says True, only keep is built (the other
-    policies matter only when keeping every activation does not fit).
+    called once per policy the planner's candidates are made of (keep, keep with the
+    parameters resident, offload, recompute) and for the ``PAIRS`` plans; the attempts are
+    kept in ``out`` and the compile is stopped (``_Traced``): nothing runs. ``extra_plans``:
+    name -> per-layer policy dict ({"model.layers.0": "offload", ...}), built too (tests of
+    mixed plans).
+    ``keep_suffices(attempts, layers)``: when it says True, only keep (and resident) are built:
+    the other policies matter only when keeping every activation does not fit.
     """
     from . import planner
     from .plan import TrainingPlan
@@ -230,8 +251,20 @@ def _capture_policies(out: dict, execute: bool = False, extra_plans: dict | None
 
     def plan_all(build, layers, *args, **kwargs):  # (build, layers, options, profile, ...)
         t0 = time.perf_counter()
+        try:
+            bound = inspect.signature(original).bind(build, layers, *args, **kwargs).arguments
+        except TypeError:
+            bound = {}
+        options = bound.get("options")
+        resident = list(bound.get("resident_candidates") or [])
+        disabled = set(getattr(options, "disable_passes", ()) or ())
         attempts = {"keep": build(TrainingPlan(policy="keep", budget=None, default_policy="keep"))}
-        only_keep = keep_suffices is not None and keep_suffices(attempts["keep"], layers)
+        if resident and not {"resident_parameters", "stream_parameters"} & disabled:
+            # The planner's first rung: when everything fits, parameters read by both passes
+            # stay on the device for the step (one load per step instead of two).
+            attempts[RESIDENT] = build(TrainingPlan(policy="keep (parameters resident)", budget=None,
+                                                    default_policy="keep", resident=resident))
+        only_keep = keep_suffices is not None and keep_suffices(attempts, layers)
         for policy in POLICIES[1:] if not only_keep else ():
             attempts[policy] = build(TrainingPlan(policy=policy, budget=None, default_policy=policy))
         decoder = [layer for layer in layers if _DECODER_LAYER.search(layer)]
@@ -245,14 +278,8 @@ def _capture_policies(out: dict, execute: bool = False, extra_plans: dict | None
         for name, layer_policy in (extra_plans or {}).items():
             attempts[name] = build(TrainingPlan(policy=name, budget=None, default_policy="keep",
                                                 layer_policy=dict(layer_policy)))
-        # The last build leaves the joint graph marked for its policy; build the one
-        # AOTAutograd continues with (keep) last.
-        attempts["keep"] = build(TrainingPlan(policy="keep", budget=None, default_policy="keep")) \
-            if execute else attempts["keep"]
         out.update(attempts=attempts, layers=list(layers), build_s=time.perf_counter() - t0)
-        if not execute:
-            raise _Traced()
-        return attempts["keep"]
+        raise _Traced()
 
     planner.plan_training = plan_all
     try:
@@ -262,32 +289,28 @@ def _capture_policies(out: dict, execute: bool = False, extra_plans: dict | None
 
 
 def trace_policies(config: dict, *, num_layers: int, batch: int, seq_len: int, precision: str = "fp32",
-                   execute: bool = False, extra_plans: dict | None = None,
-                   keep_suffices: Callable | None = None) -> dict:
-    """Compile a training step of ``num_layers`` layers on meta tensors with megatrain.
+                   extra_plans: dict | None = None, keep_suffices: Callable | None = None) -> dict:
+    """Compile a training step of ``num_layers`` layers on meta tensors with megatrain, up to the plans.
 
     Returns ``{"attempts": {policy: planner.Attempt}, "layers": [...], "model": model,
-    "trace_s": seconds}``. With ``execute``, the step also runs (on meta tensors).
+    "trace_s": seconds, "build_s": seconds}``.
     """
-    import torch._dynamo
-
     t0 = time.perf_counter()
     model = build_model(config, num_layers, precision)
     step = make_step(model)
     # One compile per probe: the step's code object is the same each time, so without a reset
     # Dynamo would count the probes as recompiles of one frame.
-    torch._dynamo.reset()
+    _reset_dynamo()
     compiled = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     out: dict = {}
-    with _meta_placement(), _capture_policies(out, execute=execute, extra_plans=extra_plans,
-                                              keep_suffices=keep_suffices):
+    with _meta_placement(), _capture_policies(out, extra_plans=extra_plans, keep_suffices=keep_suffices):
         try:
             compiled(ids, ids)
         except Exception:  # noqa: BLE001  (Dynamo wraps _Traced in BackendCompilerFailed)
             if "attempts" not in out:
                 raise
-    torch._dynamo.reset()
+    _reset_dynamo()
     out["model"] = model
     out["trace_s"] = time.perf_counter() - t0
     return out
@@ -313,6 +336,10 @@ class PolicyNumbers:
     # layer's saved bytes are excluded, and the head's / loss's, both on top of the glue.
     layer_base: int
     head_base: int
+    # The same for one policy over all layers, by phase (see _uniform_peak): front_loaded
+    # (bytes per layer live from the start of the forward: resident parameters), early_fw,
+    # early_bw, layer_fw, layer_bw.
+    phases: dict
     # Where each part's peak is: part (early | layers | head) -> (forward | backward, layer, node).
     where: dict
     # The k-layer program: device seconds (forward + backward), busy seconds per lane,
@@ -410,8 +437,6 @@ def _compute_busy(gm, start: int, stop: int) -> float:
 
 def _curves(attempt) -> tuple[list, list]:
     """(node name, live device bytes) at each node of the forward and the backward, as the plan counts them."""
-    import inspect
-
     from . import plan as plan_mod
 
     fw: list = []
@@ -464,6 +489,20 @@ def _saved_device_bytes_by_layer(attempt) -> dict:
     return out
 
 
+def _resident_bytes_by_layer(attempt) -> dict:
+    """Bytes of the parameters each layer keeps resident on the device for the whole step."""
+    from . import ops
+    from .node_info import has_info, info
+
+    out: dict = {}
+    for node in attempt.forward.graph.nodes:
+        if node.op == "call_function" and node.target is ops.load and has_info(node) \
+                and info(node).decision == "resident":
+            key = info(node).layer or "(glue)"
+            out[key] = out.get(key, 0) + info(node).nbytes_hint
+    return out
+
+
 def _sum_by_layer(gm, attr: str, where: Callable | None = None) -> dict:
     from .cost_model import COST_KEY
 
@@ -487,7 +526,10 @@ def _peak_parts(fw_curve: list, bw_curve: list, fw_regions: dict, bw_regions: di
     f1, b0 = fw_regions[decoder[1]][0], bw_regions[decoder[0]][0]
     f_end, b_start = fw_regions[decoder[-1]][1], bw_regions[decoder[-1]][0]
     layers = [top(fw[slice(*fw_regions[d])] + bw[slice(*bw_regions[d])]) for d in decoder[1:]]
-    return {"early": top(fw[:f1] + bw[b0:]), "layers": layers, "head": top(fw[f_end:] + bw[:b_start])}
+    return {"early": top(fw[:f1] + bw[b0:]), "layers": layers, "head": top(fw[f_end:] + bw[:b_start]),
+            "early_fw": top(fw[:f1])[2], "early_bw": top(bw[b0:])[2],
+            "layers_fw": [top(fw[slice(*fw_regions[d])])[2] for d in decoder[1:]],
+            "layers_bw": [top(bw[slice(*bw_regions[d])])[2] for d in decoder[1:]]}
 
 
 def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len: int, precision: str,
@@ -513,7 +555,7 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
     policies: dict = {}
     keep_pred = None
     host_optimizer: dict = {}
-    for policy in [p for p in POLICIES if p in attempts]:
+    for policy in [p for p in (*POLICIES, RESIDENT) if p in attempts]:
         a = attempts[policy]
         pred = cost_model.step_time(a.forward, a.backward, profile, optimizer_param_bytes=opt_bytes,
                                     precision=precision)
@@ -530,6 +572,17 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
         s_dev = saved_dev.get(first, 0)
         layer_base = max(pt[2] - j * s_dev for j, pt in enumerate(parts["layers"], start=1))
         head_base = parts["head"][2] - k * s_dev
+        # Resident parameters are loaded at the start of the forward: every forward point holds
+        # all N layers' (f per layer); in the backward they leave with their layer, like saved bytes.
+        front = _resident_bytes_by_layer(a).get(first, 0)
+        s_act = s_dev - front
+        phases = {
+            "front_loaded": front,
+            "early_fw": parts["early_fw"] - k * front,
+            "early_bw": parts["early_bw"],
+            "layer_fw": max(v - j * s_act for j, v in enumerate(parts["layers_fw"], start=1)) - k * front,
+            "layer_bw": max(v - j * s_dev for j, v in enumerate(parts["layers_bw"], start=1)),
+        }
         is_recompute = lambda n, c: has_info(n) and info(n).phase == "recompute"  # noqa: E731
         lane_is = lambda lane: (lambda n, c: c.lane == lane)  # noqa: E731
         by_layer = {
@@ -586,7 +639,7 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
         }
         policies[policy] = PolicyNumbers(
             policy=policy, peak=a.plan.peak_bytes, early_peak=early, late_peak=late,
-            layer_base=layer_base, head_base=head_base,
+            layer_base=layer_base, head_base=head_base, phases=phases,
             where=where,
             saved_device=saved_dev.get(first, 0), saved_host=one["saved_host_bytes"] if policy == "offload" else 0,
             total=total, per_layer=per_layer,
@@ -620,8 +673,8 @@ def check_repeat(trace: Trace, rel_tol: float = 1e-9) -> list[str]:
     return differ
 
 
-def _keep_peak_at_depth(attempt, layers: list, num_layers: int) -> int:
-    """full_depth_peak of the keep plan alone, straight from its attempt (no cost model)."""
+def _uniform_peak_at_depth(attempt, layers: list, num_layers: int) -> int:
+    """full_depth_peak of one uniform plan, straight from its attempt (no cost model)."""
     decoder = [layer for layer in layers if _DECODER_LAYER.search(layer)]
     fw_curve, bw_curve = _curves(attempt)
     parts = _peak_parts(fw_curve, bw_curve, _regions(attempt.forward, decoder), _regions(attempt.backward, decoder),
@@ -631,19 +684,44 @@ def _keep_peak_at_depth(attempt, layers: list, num_layers: int) -> int:
     return max(parts["early"][2], layer_base + (num_layers - 1) * s, parts["head"][2] - len(decoder) * s + num_layers * s)
 
 
+_TRACE_CACHE: "collections.OrderedDict[tuple, Trace]" = collections.OrderedDict()
+_TRACE_CACHE_SIZE = 16
+
+
 def trace_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: int, precision: str = "fp32",
                 k: int = DEFAULT_TRACED_LAYERS, skip_if_keep_fits: int | None = None) -> Trace:
     """Trace k layers on the meta device and digest the policies' programs.
 
     ``skip_if_keep_fits``: a device budget; if keeping every activation of all the model's
     layers fits it, only the keep plan is built (``Trace.complete`` is then False).
+    The last few traces are cached in the process (a search's probes, planned again).
     """
+    key = (json.dumps(config, sort_keys=True, default=str), profile, batch, seq_len, precision, k)
+    cached = _TRACE_CACHE.get(key)
+    if cached is not None:
+        # A keep-only trace serves only budgets that keep fits.
+        usable = cached.complete or skip_if_keep_fits is not None and evaluate(
+            cached, {"keep": int(config["num_hidden_layers"])}).peak_bytes <= skip_if_keep_fits
+        if usable:
+            _TRACE_CACHE.move_to_end(key)
+            return cached
+    trace = _trace_model(config, profile, batch=batch, seq_len=seq_len, precision=precision, k=k,
+                         skip_if_keep_fits=skip_if_keep_fits)
+    _TRACE_CACHE[key] = trace
+    while len(_TRACE_CACHE) > _TRACE_CACHE_SIZE:
+        _TRACE_CACHE.popitem(last=False)
+    return trace
+
+
+def _trace_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: int, precision: str,
+                 k: int, skip_if_keep_fits: int | None) -> Trace:
     if k < 2:
         raise ValueError("at least 2 traced layers are needed to check that the layers repeat")
     num_layers = int(config["num_hidden_layers"])
     keep_suffices = None
     if skip_if_keep_fits is not None:
-        keep_suffices = lambda attempt, layers: _keep_peak_at_depth(attempt, layers, num_layers) <= skip_if_keep_fits  # noqa: E731
+        keep_suffices = lambda attempts, layers: (  # noqa: E731
+            _uniform_peak_at_depth(attempts["keep"], layers, num_layers) <= skip_if_keep_fits)
     raw = trace_policies(config, num_layers=k, batch=batch, seq_len=seq_len, precision=precision,
                          keep_suffices=keep_suffices)
     trace = _digest(raw, profile, k=k, batch=batch, seq_len=seq_len, precision=precision,
@@ -681,14 +759,31 @@ class DepthPlan:
     @property
     def summary(self) -> str:
         used = [f"{p} {n}" for p, n in self.counts.items() if n]
+        if self.counts.get(RESIDENT):
+            return f"keep all {self.counts[RESIDENT]} layers, parameters resident (loaded once per step)"
         if len(used) == 1:
             return f"{used[0].split()[0]} all {sum(self.counts.values())} layers"
         return "per-layer (" + ", ".join(used) + ")"
 
 
+def _uniform_peak(numbers, k: int, n: int) -> tuple[float, str]:
+    """Peak of n layers under one policy, phase by phase (see full_depth_peak)."""
+    ph = numbers.phases
+    f, s = ph["front_loaded"], numbers.saved_device
+    candidates = [
+        (ph["early_fw"] + n * f, "early"), (ph["early_bw"], "early"),
+        (numbers.head_base + n * s, "head"),
+    ]
+    if n >= 2:
+        candidates += [(ph["layer_fw"] + n * f + (n - 1) * (s - f), "layers"), (ph["layer_bw"] + (n - 1) * s, "layers")]
+    return max(candidates, key=lambda c: c[0])
+
+
 def _ordered_peak(trace, runs: list) -> tuple[float, str]:
     """Peak of N layers in forward order ``runs`` = [(policy, count), ...] (see full_depth_peak)."""
     pol = trace.policies
+    if len(runs) == 1 and getattr(pol[runs[0][0]], "phases", None):
+        return _uniform_peak(pol[runs[0][0]], trace.k, runs[0][1])
     peak, region = pol[runs[0][0]].early_peak, "early"
     saved = 0  # saved device bytes of the layers before the current one
     prev = None
@@ -734,13 +829,16 @@ def full_depth_peak(trace: Trace, counts: dict) -> tuple[int, str]:
     one of another policy has the working set measured on a two-policy "pair" plan (its
     backward prefetches its predecessor's reloads), and both orders of offload and
     recompute are tried, the larger peak taken. ``test_plan_cmd`` checks k=2 extrapolations
-    against real k=4 plans, uniform and mixed. Returns (bytes, where: early | layers | head).
+    against real k=4 plans, uniform and mixed. A uniform plan is evaluated phase by phase,
+    which also covers resident parameters: they are all loaded at the start of the forward
+    (every forward point holds N layers' worth) and leave in the backward with their layer.
+    Returns (bytes, where: early | layers | head).
     """
     used = [p for p in ("offload", "recompute") if counts.get(p)]
     orders = [used, used[::-1]] if len(used) == 2 else [used]
     best = None
     for order in orders:
-        runs = [(p, counts[p]) for p in (*order, "keep") if counts.get(p)]
+        runs = [(p, counts[p]) for p in (*order, "keep", RESIDENT) if counts.get(p)]
         found = _ordered_peak(trace, runs)
         if best is None or found[0] > best[0]:
             best = found
@@ -814,23 +912,21 @@ def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int 
 def choose_plan(trace, num_layers: int, *, budget: int, host_free: int | None) -> tuple:
     """The plan megatrain's planner would pick for N identical layers, and the smallest plan.
 
-    Keep every activation if that fits; otherwise the fastest (predicted step time) count of
-    keep / offload / recompute layers whose extrapolated peak fits ``budget`` and whose
-    offloaded activations fit ``host_free`` host bytes, upgrading as few layers as possible
-    among equally fast ones (the planner's solvers free only the bytes needed). Returns (chosen or None, the plan with
-    the smallest peak among those the host can hold, the keep plan).
+    The planner's order: keep every activation with the parameters resident, if that fits;
+    else keep every activation (parameters streamed); otherwise the fastest (predicted step
+    time) count of keep / offload / recompute layers whose extrapolated peak fits ``budget``
+    and whose offloaded activations fit ``host_free`` host bytes, with the smallest peak among
+    equally fast ones (the planner's ladder keeps only strictly faster rungs as the peak grows).
+    Returns (chosen or None, the plan with the smallest peak among those the host can hold
+    or None when not every policy was planned, the keep plan).
     """
-    keep = evaluate(trace, {"keep": num_layers, "offload": 0, "recompute": 0})
-
     def host_ok(plan: DepthPlan) -> bool:
         return host_free is None or plan.offloaded_activation_bytes <= host_free
 
-    if keep.peak_bytes <= budget and host_ok(keep):
-        smallest = keep if not trace.complete else None
-    else:
-        smallest = None
+    keep = evaluate(trace, {"keep": num_layers, "offload": 0, "recompute": 0})
+    smallest = None
     fitting = []
-    for counts in _all_counts(num_layers, trace.policies):
+    for counts in _all_counts(num_layers, trace.policies) if trace.complete else ():
         plan = evaluate(trace, counts)
         if not host_ok(plan):
             continue
@@ -838,15 +934,20 @@ def choose_plan(trace, num_layers: int, *, budget: int, host_free: int | None) -
             smallest = plan
         if plan.peak_bytes <= budget:
             fitting.append(plan)
-    if keep.peak_bytes <= budget and host_ok(keep):
+    if RESIDENT in trace.policies:
+        resident = evaluate(trace, {RESIDENT: num_layers})
+        if resident.peak_bytes <= budget:
+            return resident, smallest, keep
+    if keep.peak_bytes <= budget:
         return keep, smallest, keep
     if not fitting:
         return None, smallest, keep
     # The fastest; among plans as fast (within 0.1%: keep and offload layers often cost the same
-    # when the link hides the copies), the one that recomputes, then offloads, the fewest layers.
+    # when the link hides the copies), the one with the smallest peak, as the planner's ladder
+    # does (a rung stays only if it is strictly faster than every rung below it in peak).
     fastest = min(p.step_s for p in fitting)
     best = min((p for p in fitting if p.step_s <= fastest * 1.001),
-               key=lambda p: (p.counts["recompute"], p.counts["offload"], p.step_s, p.peak_bytes))
+               key=lambda p: (p.peak_bytes, p.counts["recompute"], p.step_s))
     return best, smallest, keep
 
 
@@ -1159,12 +1260,13 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
     tokens = batch * seq_len
     directions = plan.bytes_by_direction
     activations_in = activations_out = 0
-    if plan.counts["offload"]:
+    if plan.counts.get("offload"):
         activations_in = plan.counts["offload"] * max(
             0, pol["offload"].per_layer["backward_h2d_bytes"] - pol["keep"].per_layer["backward_h2d_bytes"])
         activations_out = plan.counts["offload"] * pol["offload"].per_layer["forward_d2h_bytes"]
-    order = [p for p in ("offload", "recompute", "keep") if plan.counts[p]]
-    part_policy = {"early": order[0], "head": order[-1], "layers": "keep" if plan.counts["keep"] > 1 else order[-1]}
+    order = [p for p in ("offload", "recompute", "keep", RESIDENT) if plan.counts.get(p)]
+    part_policy = {"early": order[0], "head": order[-1],
+                   "layers": "keep" if plan.counts.get("keep", 0) > 1 else order[-1]}
     at = pol[part_policy[plan.peak_region]].where[plan.peak_region]
     base = pol[plan.base_policy]
     timings = {"total_s": time.perf_counter() - t_start,
