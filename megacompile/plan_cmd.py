@@ -450,18 +450,10 @@ def _curves(attempt) -> tuple[list, list]:
 
 
 def _storage_root(node, memo: dict):
-    """The node whose storage ``node`` views (itself if it owns one), as plan.estimate_memory sees it."""
-    from .node_info import is_view_node
+    """The node whose storage ``node`` views, as plan.estimate_memory sees it."""
+    from .plan import storage_root
 
-    if node in memo:
-        return memo[node]
-    root = node
-    if node.op == "call_function" and is_view_node(node):
-        tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-        if tensors:
-            root = _storage_root(tensors[0], memo)
-    memo[node] = root
-    return root
+    return storage_root(node, memo)
 
 
 def _saved_device_bytes_by_layer(attempt) -> dict:
@@ -1290,9 +1282,10 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
                 "traced_layers": trace.k, "traced_plan": plan.base_policy,
                 "traced_peak_bytes": base.peak,
                 "saved_device_bytes_per_layer": {p: n.saved_device for p, n in pol.items()},
-                "formula": "peak(N) = max(early_k, late_k + (N - k) * saved_device_per_layer)"
-                           " (mixed plans: the largest working set of the policies used plus the sum of"
-                           " the layers' saved device bytes)",
+                "formula": "one policy: peak(N) = max(early_k, late_k + (N - k) * saved_device_per_layer);"
+                           " mixed plans (upgraded layers first, kept layers last): the largest of each layer's"
+                           " working set plus the saved device bytes of the layers before it, and the head's"
+                           " plus all layers' (plan_cmd.full_depth_peak)",
             },
         },
         host={
