@@ -61,14 +61,15 @@ class TrainingPlan:
         return max(ests, key=lambda e: e.peak_bytes).peak_layer
 
 
-def _root(node: fx.Node, memo: dict) -> fx.Node:
+def storage_root(node: fx.Node, memo: dict) -> fx.Node:
+    """The node whose storage ``node`` views (itself if it owns one)."""
     if node in memo:
         return memo[node]
     root = node
     if node.op == "call_function" and is_view_node(node):
         tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         if tensors:
-            root = _root(tensors[0], memo)
+            root = storage_root(tensors[0], memo)
     memo[node] = root
     return root
 
@@ -84,7 +85,7 @@ def _owned_bytes(node: fx.Node) -> int:
 def storage_roots(gm: fx.GraphModule) -> dict[str, str]:
     """Node name -> name of the node whose storage it views (itself if it owns one)."""
     memo: dict = {}
-    return {n.name: _root(n, memo).name for n in gm.graph.nodes if n.op in ("placeholder", "call_function")}
+    return {n.name: storage_root(n, memo).name for n in gm.graph.nodes if n.op in ("placeholder", "call_function")}
 
 
 def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None,
@@ -111,7 +112,7 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
     for node in nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
-        root = _root(node, memo)
+        root = storage_root(node, memo)
         if _owned_bytes(root) == 0:
             continue
         born_at = 0 if root.op == "placeholder" else position[root]

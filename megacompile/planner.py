@@ -145,7 +145,9 @@ def plan_training(
         c.plan.predicted_seconds = predict_seconds(c)
     ladder: list[Attempt] = []
     for c in sorted(candidates, key=lambda c: (c.peak, c.plan.predicted_seconds)):
-        if not ladder or (c.plan.predicted_seconds < ladder[-1].plan.predicted_seconds
+        # Ties in time go to the later (less aggressive) rung: no offload or recompute that
+        # buys nothing.
+        if not ladder or (c.plan.predicted_seconds <= ladder[-1].plan.predicted_seconds
                           and len(c.plan.recomputed_ops) <= len(ladder[-1].plan.recomputed_ops)):
             ladder.append(c)
     fitting = [c for c in ladder if fits(c)]
