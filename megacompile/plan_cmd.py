@@ -907,8 +907,8 @@ def choose_plan(trace, num_layers: int, *, budget: int, host_free: int | None) -
     The planner's order: keep every activation with the parameters resident, if that fits;
     else keep every activation (parameters streamed); otherwise the fastest (predicted step
     time) count of keep / offload / recompute layers whose extrapolated peak fits ``budget``
-    and whose offloaded activations fit ``host_free`` host bytes, with the smallest peak among
-    equally fast ones (the planner's ladder keeps only strictly faster rungs as the peak grows).
+    and whose offloaded activations fit ``host_free`` host bytes, with the largest peak (the
+    least offload / recompute) among equally fast ones, as the planner's ladder breaks ties.
     Returns (chosen or None, the plan with the smallest peak among those the host can hold
     or None when not every policy was planned, the keep plan).
     """
@@ -935,11 +935,11 @@ def choose_plan(trace, num_layers: int, *, budget: int, host_free: int | None) -
     if not fitting:
         return None, smallest, keep
     # The fastest; among plans as fast (within 0.1%: keep and offload layers often cost the same
-    # when the link hides the copies), the one with the smallest peak, as the planner's ladder
-    # does (a rung stays only if it is strictly faster than every rung below it in peak).
+    # when the link hides the copies), the least aggressive one (largest peak, fewest
+    # recomputed layers), as the planner's ladder breaks ties: no offload that buys nothing.
     fastest = min(p.step_s for p in fitting)
     best = min((p for p in fitting if p.step_s <= fastest * 1.001),
-               key=lambda p: (p.peak_bytes, p.counts["recompute"], p.step_s))
+               key=lambda p: (-p.peak_bytes, p.counts["recompute"], p.step_s))
     return best, smallest, keep
 
 
