@@ -51,20 +51,12 @@ sys.path.insert(0, str(REPO / "tests"))
 import megacompile  # noqa: E402
 import reference_models  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import cpu_model  # noqa: E402
+
 LOSS_REL_TOL = 1e-5
 PARAM_ABS_TOL = 1e-5
 LR = 1e-3
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_name(device: str) -> str:

@@ -38,6 +38,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import cpu_model  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 BYTES_PER_PARAM = 28  # 16 read + 12 written
 
@@ -84,17 +87,6 @@ def model_like_shapes(total: int, d: int = 1024) -> list[int]:
         else:
             shapes.pop()
     return shapes
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_tag() -> str:
