@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from . import _torch_compat as compat
+from . import eager_update_watch
 from .capture import COMPILED, CompiledGraph, TrainingCompiler, lower_with
 from .errors import PlacementError, UnsupportedGraph
 from .node_info import source_to_name
@@ -102,6 +103,7 @@ def _host_region(gm: fx.GraphModule, example_inputs: list, options: Options) -> 
     @torch.compiler.disable
     def run_on_host(*args):
         out = compiled(*args)
+        eager_update_watch.host_step_ran()
         RECORDER.host_graph_ran(label)
         return out
 

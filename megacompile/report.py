@@ -40,6 +40,10 @@ class StepReport:
     graphs: list[str]
     host_graphs: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # The host optimizer in this step's backward: megacompile.overlap.OverlapStats as a dict
+    # (overlapped, reason, updated_params, update_seconds, exposed_seconds,
+    # peak_pending_grad_bytes), or None before a backward ran.
+    optimizer: dict | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -55,6 +59,13 @@ class StepReport:
             f"  recomputed ops       {len(self.recomputed_ops)}",
             f"  graphs               {', '.join(self.graphs + self.host_graphs)}",
         ]
+        if self.optimizer is not None:
+            o = self.optimizer
+            lines.append(
+                f"  host optimizer       overlapped with the backward: {o['updated_params']} tensors updated as "
+                f"gradients landed, {o['exposed_seconds'] * 1e3:.1f} ms waited at the end" if o["overlapped"]
+                else f"  host optimizer       after the backward ({o['reason']})"
+            )
         header = f"  {'layer':<28}{'params':>12}{'h2d':>12}{'d2h':>12}{'saved act':>12}{'recomp':>8}{'fwd peak':>12}{'bwd peak':>12}"
         lines.append(header)
         for r in self.layers:
@@ -80,6 +91,9 @@ class StepRecorder:
             device.synchronize()
             device.reset_stats()
             device.tracker.reset_peak()
+            from . import overlap
+
+            overlap.LAST = None
             self._current = {"compiled": compiled, "device": device, "host_graphs": [], "measured": True}
             self._update()
 
