@@ -52,8 +52,9 @@ class EagerUpdateWatch:
             return
         _warned.add(type(opt))
         warnings.warn(
-            f"megatrain: {type(opt).__name__}.step() was not captured by Dynamo and ran eagerly on the host "
-            f"(results are correct, but the update is neither fused nor overlapped with the device)",
+            f"megatrain: {type(opt).__name__}.step() ran eagerly on the host, outside the compiled program "
+            f"(Dynamo could not capture it, or it is not inside the compiled function): results are correct, "
+            f"but the update is neither fused nor overlapped with the device",
             stacklevel=2,
         )
 
