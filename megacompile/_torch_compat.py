@@ -217,3 +217,9 @@ def dynamo_resume_code(fn):
 def tensor_version(t: torch.Tensor) -> int:
     """The tensor's in-place modification counter (bumped by every in-place op on it)."""
     return t._version
+
+
+def is_invoke_subgraph(target) -> bool:
+    """A call of a ``torch.compiler.nested_compile_region`` body (``invoke_subgraph``)."""
+    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    return hop is not None and target is hop
