@@ -25,6 +25,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .errors import BudgetError
+from . import ops
 from .node_info import has_info, info
 from .options import format_bytes
 from .plan import TrainingPlan
@@ -64,6 +65,160 @@ def _forward_seconds_by_layer(gm: fx.GraphModule, profile) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass
+class SavedGroup:
+    """Saved activations that share one device storage (a value and its saved views): one
+    decision for all of them, priced by the storage's bytes (views are not free to keep)."""
+
+    root: str
+    layer: str | None
+    members: list[str]
+    nbytes: int
+    options: list[Option]
+    notes: list[str]
+
+    def reason(self, j: int) -> str:
+        return self.notes[j]
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} us"
+
+
+def saved_groups(keep: Attempt, joint: fx.GraphModule, profile, allow_recompute: bool) -> list[SavedGroup]:
+    """The keep plan's saved device activations, grouped by storage, each with its options.
+
+    - keep: frees nothing, costs nothing;
+    - offload: frees the storage, costs its copies out and back (bytes of every saved view
+      each way) where the compute of its layer does not hide them (all of it when copies
+      are synchronous, as on the CPU stand-in);
+    - recompute: frees the storage less whatever the replay makes the forward save instead,
+      costs the cost-model time of the ops replayed from values that stay saved.
+    """
+    from megacompile.passes.recompute import SavedValueWalk
+
+    from .cost_model import annotate_costs, cost, is_cpu_standin, step_time
+    from .node_info import tensor_nbytes_hint
+    from .plan import storage_root
+
+    fw = keep.forward
+    annotate_costs(fw, profile)
+    seconds = {n.name: (cost(n).time_s if cost(n) else 0.0) for n in fw.graph.nodes if n.op == "call_function"}
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    memo: dict = {}
+    saved = set(keep.plan.saved_values)
+    groups: dict[str, SavedGroup] = {}
+    for node in fw.graph.nodes:
+        if node.name not in saved or node.op == "placeholder" or node.target is ops.load:
+            continue
+        if not has_info(node) or info(node).placement != "device":
+            continue
+        root = storage_root(node, memo)
+        if root.op == "placeholder" or root.target is ops.load or info(root).nbytes_hint <= 0:
+            continue
+        g = groups.setdefault(root.name, SavedGroup(root.name, info(root).layer, [], info(root).nbytes_hint, [], []))
+        g.members.append(node.name)
+
+    # How much of each layer's copies its compute hides (the keep plan's lanes).
+    exposure: dict[str | None, float] = {}
+    if not is_cpu_standin(profile):
+        timeline = step_time(keep.forward, keep.backward, profile, optimizer_param_bytes=0)
+        link = 1.0 / profile.d2h_bandwidth + 1.0 / profile.h2d_bandwidth
+        for g in groups.values():
+            exposure[g.layer] = exposure.get(g.layer, 0.0) + g.nbytes * link
+        for layer, need in list(exposure.items()):
+            row = timeline.per_layer.get(layer or "(glue)")
+            slack = max(0.0, row.compute_s - row.h2d_s - row.d2h_s) if row else 0.0
+            exposure[layer] = max(0.0, need - slack) / need if need > 0 else 1.0
+
+    walk = SavedValueWalk.of(joint)
+    joint_nodes = {n.name: n for n in joint.graph.nodes}
+    group_of_root = set(groups)
+    needed = set(walk.needed)
+    out = []
+    for g in groups.values():
+        link_bytes = sum(tensor_nbytes_hint(fw_nodes[m].meta.get("val")) for m in g.members)
+        copy_s = link_bytes / profile.d2h_bandwidth + link_bytes / profile.h2d_bandwidth
+        exposed = exposure.get(g.layer, 1.0)
+        g.options = [Option("keep", 0, 0.0), Option("offload", g.nbytes, copy_s * exposed)]
+        g.notes = ["", ""]
+        hidden = f", {1 - exposed:.0%} hidden behind compute" if exposed < 1.0 else ""
+        g.notes[1] = (f"planner: offload frees {format_bytes(g.nbytes)} for {_us(copy_s)} of copies each way "
+                      f"({link_bytes} B){hidden}")
+        members = [joint_nodes[m] for m in g.members if m in joint_nodes]
+        if allow_recompute and len(members) == len(g.members):
+            stays, _, marks = walk.walk({}, "keep", {m: "recompute" for m in g.members}, start=members)
+            if not any(m in stays for m in members):
+                replayed = [n for n, (d, _) in marks.items() if d == "recompute"]
+                replay_s = sum(seconds.get(n.name, 0.0) for n in replayed)
+                extra_roots = set()
+                for n, (d, _) in stays.items():
+                    fn = fw_nodes.get(n.name)
+                    if fn is None or n.op == "placeholder" or n.target is ops.load or n in needed:
+                        continue
+                    r = storage_root(fn, memo)
+                    if r.name not in group_of_root:
+                        extra_roots.add(r)
+                extra = sum(info(r).nbytes_hint for r in extra_roots)
+                if g.nbytes - extra > 0:
+                    kernels = sum(1 for n in replayed if seconds.get(n.name, 0.0) > 0)
+                    g.options.append(Option("recompute", g.nbytes - extra, replay_s))
+                    g.notes.append(f"planner: recompute frees {format_bytes(g.nbytes - extra)} for {_us(replay_s)} "
+                                   f"replaying {kernels} op(s) from saved values")
+        cheapest = min(g.options[1:], key=lambda o: o.time_cost / max(o.memory_saved, 1))
+        g.notes[0] = (f"planner: kept on the device ({format_bytes(g.nbytes)}; cheapest alternative "
+                      f"{cheapest.name} at {_us(cheapest.time_cost)})")
+        out.append(g)
+    return out
+
+
+def _partial_residency(keep: Attempt, hot: list[str], budget: int | None, make, predict_seconds) -> Attempt:
+    """Keeping every activation fits, but not with every parameter both passes read resident:
+    keep the smallest of those resident (norms, biases, the head of a small vocabulary), as
+    many as fit. Smallest first, a prefix of one fixed order: a larger budget keeps a superset
+    resident, so step time and recompute never grow with the budget."""
+    sizes: dict[str, int] = {}
+    for node in keep.forward.graph.nodes:
+        if node.op == "placeholder" and has_info(node) and info(node).source in hot:
+            sizes[info(node).source] = info(node).nbytes_hint
+    order = sorted((p for p in hot if p in sizes), key=lambda p: (sizes[p], p))
+    if not order:
+        return keep
+    slack = budget - keep.peak
+    # Each resident parameter adds at most its bytes at any point of the step: this prefix fits.
+    lo = 0
+    while lo < len(order) and sum(sizes[p] for p in order[: lo + 1]) <= slack:
+        lo += 1
+    hi = len(order) - 1  # all of them (the first rung) did not fit
+
+    def attempt(k: int) -> Attempt:
+        chosen = order[:k]
+        reasons = {p: (f"small and read by both passes ({format_bytes(sizes[p])}): one load per step instead "
+                       f"of two; {k} of {len(order)} such parameters fit the budget, smallest first")
+                   for p in chosen}
+        return make("keep", name=f"keep (parameters resident: {k} of {len(order)})", resident=chosen,
+                    resident_reason=reasons)
+
+    best = attempt(lo) if lo else None
+    if best is not None and best.peak > budget:
+        best, lo = None, 0
+    # The estimate is an upper bound; larger prefixes may fit too (their peak grows with k).
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        a = attempt(mid)
+        if a.peak <= budget:
+            best, lo = a, mid
+        else:
+            hi = mid - 1
+    if best is None:
+        return keep
+    best.plan.predicted_seconds = predict_seconds(best)
+    best.plan.reason = (f"everything fits with activations kept but not with all {len(order)} parameters read by "
+                        f"both passes resident; the {lo} smallest stay resident (one load each per step instead "
+                        f"of two), the rest stream")
+    return best
+
+
 def plan_training(
     build: Callable[[TrainingPlan], Attempt],
     layers: list[str],
@@ -71,14 +226,18 @@ def plan_training(
     profile,
     predict_seconds: Callable[[Attempt], float],
     resident_candidates: list[str] | None = None,
+    joint: fx.GraphModule | None = None,
 ) -> Attempt:
     budget = options.memory_budget
     allow_recompute = options.recompute != "never"
 
     def make(default: str, per_layer: dict[str, str] | None = None, name: str = "",
-             resident: list[str] | None = None) -> Attempt:
+             resident: list[str] | None = None, per_value: dict[str, str] | None = None,
+             value_reason: dict[str, str] | None = None, resident_reason: dict[str, str] | None = None) -> Attempt:
         plan = TrainingPlan(policy=name or default, budget=budget, default_policy=default,
-                            layer_policy=dict(per_layer or {}), resident=list(resident or []))
+                            layer_policy=dict(per_layer or {}), resident=list(resident or []),
+                            value_policy=dict(per_value or {}), value_reason=dict(value_reason or {}),
+                            resident_reason=dict(resident_reason or {}))
         return build(plan)
 
     def fits(a: Attempt) -> bool:
@@ -100,6 +259,8 @@ def plan_training(
             return roomy
     keep = make("keep")
     if fits(keep):
+        if resident_candidates and not {"resident_parameters", "stream_parameters"} & set(options.disable_passes):
+            return _partial_residency(keep, resident_candidates, budget, make, predict_seconds)
         return keep
 
     # The candidate ladder: built plans from least to most aggressive. Each is built for
@@ -127,6 +288,7 @@ def plan_training(
         items.append(opts)
     solver = SOLVERS[options.solver]
     seen: set[tuple[str, ...]] = set()
+    # Coarse: one decision per layer (the fallback the finer plans must beat on the ladder).
     for fraction in (0.2, 0.4, 0.6, 0.8, 1.0):
         picks = solver(items, int((keep.peak - floor) * fraction) + 1)
         if picks is None or tuple(picks) in seen:
@@ -137,6 +299,29 @@ def plan_training(
         a = make("keep", per_layer, name="per-layer (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")")
         a.plan.layer_costs = {layer: dataclasses.asdict(items[i][j]) for i, (layer, j) in enumerate(zip(layers, picks))}
         candidates.append(a)
+    # Fine: one decision per saved activation (per storage group), priced one by one.
+    if joint is not None:
+        groups = saved_groups(keep, joint, profile, allow_recompute)
+        value_items = [g.options for g in groups]
+        most = sum(max(o.memory_saved for o in opts) for opts in value_items)
+        targets = [int((keep.peak - floor) * f) + 1 for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)]
+        seen_values: set[tuple[int, ...]] = set()
+        for required in targets + [most]:
+            picks = solver(value_items, min(required, most))
+            if picks is None or tuple(picks) in seen_values or not any(picks):
+                continue
+            seen_values.add(tuple(picks))
+            per_value, reasons = {}, {}
+            for g, j in zip(groups, picks):
+                for member in g.members:
+                    per_value[member] = g.options[j].name
+                    reasons[member] = g.reason(j)
+            counts = {p: sum(1 for g, j in zip(groups, picks) if g.options[j].name == p)
+                      for p in ("keep", "offload", "recompute")}
+            a = make("keep", name="per-activation (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")",
+                     per_value=per_value, value_reason=reasons)
+            a.plan.layer_costs = {g.root: dataclasses.asdict(g.options[j]) for g, j in zip(groups, picks)}
+            candidates.append(a)
 
     # Keep a ladder along which, as the peak grows, predicted time strictly falls and the
     # recompute count never rises; a budget then takes the last rung that fits. A larger
