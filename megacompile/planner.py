@@ -1,21 +1,28 @@
-"""The planner: one device budget, a keep / offload / recompute decision per layer.
+"""The planner: one device budget; keep / offload / recompute per layer or per saved
+activation, and which parameters stay resident.
 
 ``plan_training`` searches for the fastest plan that fits, using the real pipeline to check
 each candidate (``build`` partitions the joint graph under a plan, runs the passes and
 estimates the peak), so a chosen plan's predicted peak is the one the runtime will see:
 
-1. Keep everything. If it fits, that is the plan: no recompute, no activation offload.
-2. Otherwise price each layer's options from the keep plan and an all-recompute plan:
-   offloading a layer's saved activations frees their bytes and costs the copies both ways;
-   recomputing frees all but its boundary inputs and costs its forward again. A solver
-   (``options.solver``: exact or greedy, see ``solvers.py``) picks the cheapest set that frees
-   enough; if the built plan still overshoots (the peak is not a plain sum), the target grows
-   by the overshoot and the solver runs again.
-3. Fall back to the most aggressive plans (offload all, recompute all). If none fits,
-   ``BudgetError`` names the smallest peak any plan reached and the layer that sets it.
+1. Keep everything with every parameter both passes read resident. If it fits, that is the
+   plan: no recompute, no activation offload.
+2. Keep every activation with parameters streamed. If it fits, the smallest parameters both
+   passes read stay resident (``_partial_residency``: the longest smallest-first prefix that
+   fits), the rest stream.
+3. Otherwise build offload-all and recompute-all, then solver-chosen mixes (``options.solver``:
+   exact or greedy, see ``solvers.py``) for several memory targets, at two granularities:
+   per layer (the coarse fallback) and per saved activation (``saved_groups``: one item per
+   storage group, each option priced by the cost model and by the bytes it frees at the keep
+   plan's peaks). All are built and priced with the cost model's step time; a ladder along
+   which time falls and recompute never rises as the peak grows keeps the useful ones, and
+   the last rung within the budget wins. The candidates do not depend on the budget, so a
+   larger budget only moves up the ladder. If none fits, ``BudgetError`` names the smallest
+   peak any plan reached and the layer that sets it.
 
 Decisions and their reasons land in ``NodeInfo.decision`` / ``reason`` (shown by inspect);
-the per-layer choice and its price are in ``TrainingPlan.layer_policy`` / ``layer_costs``.
+the choices are in ``TrainingPlan.layer_policy`` / ``value_policy`` / ``resident`` and their
+prices in ``layer_costs`` / ``value_reason`` / ``resident_reason``.
 """
 from __future__ import annotations
 
@@ -45,11 +52,22 @@ class Attempt:
 
 
 def _saved_device_bytes_by_layer(attempt: Attempt) -> dict[str, int]:
+    """Device bytes the forward hands to the backward, per layer, by storage: a saved view
+    counts its base's bytes (once, however many views of it are saved)."""
+    from .plan import storage_root
+
     out: dict[str, int] = {}
     saved = set(attempt.plan.saved_values)
+    memo: dict = {}
+    roots: set = set()
     for node in attempt.forward.graph.nodes:
-        if node.name in saved and has_info(node) and info(node).layer and info(node).role == "compute":
-            out[info(node).layer] = out.get(info(node).layer, 0) + info(node).nbytes_hint
+        if node.name in saved and has_info(node) and info(node).role == "compute":
+            root = storage_root(node, memo)
+            if root in roots or not has_info(root) or info(root).placement != "device" or root.target is ops.load:
+                continue
+            roots.add(root)
+            if info(root).layer:
+                out[info(root).layer] = out.get(info(root).layer, 0) + info(root).nbytes_hint
     return out
 
 
@@ -85,7 +103,75 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} us"
 
 
-def saved_groups(keep: Attempt, joint: fx.GraphModule, profile, allow_recompute: bool) -> list[SavedGroup]:
+def _freed_at_peak(keep: Attempt, groups: dict, prefetch_depth: int, floor: int) -> dict[str, tuple[int, int]]:
+    """Bytes each group frees at the keep plan's peaks, if offloaded and if recomputed.
+
+    Freeing a saved activation lowers the peak only where it would otherwise be live: an
+    offloaded one comes back ``prefetch_depth`` layers before the backward reads it, a
+    recomputed one is replayed just before, so neither helps a peak in the layers next to
+    its own. Checked at the peak of each graph (forward, backward) that exceeds ``floor``;
+    the smaller of the two counts.
+    """
+    from megacompile.passes.stream_parameters import _layer_runs
+
+    from .node_info import is_view_node
+
+    out = {root: [g.nbytes, g.nbytes] for root, g in groups.items()}
+    est = keep.plan.forward
+    if est is not None and est.peak_bytes > floor:
+        nodes = list(keep.forward.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        peak_at = next((i for i, n in enumerate(nodes) if n.name == est.peak_node), len(nodes))
+        by_name = {n.name: n for n in nodes}
+        for root, g in groups.items():
+            # Not saved, it dies after its last forward reader (views included).
+            last = 0
+            stack = [by_name[m] for m in g.members if m in by_name] + ([by_name[root]] if root in by_name else [])
+            while stack:
+                cur = stack.pop()
+                for u in cur.users:
+                    if u.op == "output" or u.target in (ops.offload, ops.evict, ops.wait):
+                        continue
+                    last = max(last, pos[u])
+                    if is_view_node(u):
+                        stack.append(u)
+            born = pos[by_name[root]] if root in by_name else 0
+            if last >= peak_at or born > peak_at:
+                out[root] = [0, 0]  # live at the forward's peak either way, or not yet born
+    est = keep.plan.backward
+    if est is not None and est.peak_bytes > floor:
+        nodes = list(keep.backward.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        peak_at = next((i for i, n in enumerate(nodes) if n.name == est.peak_node), len(nodes))
+        compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n)]
+        cpos = {n: i for i, n in enumerate(compute)}
+        runs = [start for _, start in _layer_runs(compute)]
+        by_name = {n.name: n for n in nodes if n.op == "placeholder"}
+        for root, g in groups.items():
+            readers, stack = [], [by_name[m] for m in g.members if m in by_name]
+            while stack:
+                cur = stack.pop()
+                for u in cur.users:
+                    if u in cpos:
+                        readers.append(u)
+                        if is_view_node(u):
+                            stack.append(u)
+            if not readers:
+                continue
+            first = min(readers, key=pos.__getitem__)
+            last = max(pos[u] for u in readers)
+            if last < peak_at:
+                out[root] = [0, 0]  # dead before the peak already
+                continue
+            run = max((k for k, start in enumerate(runs) if start <= cpos[first]), default=0)
+            reload_at = pos[compute[runs[max(0, run - prefetch_depth)]]] if runs else pos[first]
+            freed = out[root]
+            out[root] = [freed[0] if reload_at > peak_at else 0, freed[1] if pos[first] > peak_at else 0]
+    return {root: (v[0], v[1]) for root, v in out.items()}
+
+
+def saved_groups(keep: Attempt, joint: fx.GraphModule, profile, allow_recompute: bool,
+                 prefetch_depth: int = 1, floor: int = 0) -> list[SavedGroup]:
     """The keep plan's saved device activations, grouped by storage, each with its options.
 
     - keep: frees nothing, costs nothing;
@@ -131,6 +217,7 @@ def saved_groups(keep: Attempt, joint: fx.GraphModule, profile, allow_recompute:
             slack = max(0.0, row.compute_s - row.h2d_s - row.d2h_s) if row else 0.0
             exposure[layer] = max(0.0, need - slack) / need if need > 0 else 1.0
 
+    at_peak = _freed_at_peak(keep, groups, prefetch_depth, floor)
     walk = SavedValueWalk.of(joint)
     joint_nodes = {n.name: n for n in joint.graph.nodes}
     group_of_root = set(groups)
@@ -140,11 +227,12 @@ def saved_groups(keep: Attempt, joint: fx.GraphModule, profile, allow_recompute:
         link_bytes = sum(tensor_nbytes_hint(fw_nodes[m].meta.get("val")) for m in g.members)
         copy_s = link_bytes / profile.d2h_bandwidth + link_bytes / profile.h2d_bandwidth
         exposed = exposure.get(g.layer, 1.0)
-        g.options = [Option("keep", 0, 0.0), Option("offload", g.nbytes, copy_s * exposed)]
+        offload_frees, recompute_frees = at_peak[g.root]
+        g.options = [Option("keep", 0, 0.0), Option("offload", offload_frees, copy_s * exposed)]
         g.notes = ["", ""]
         hidden = f", {1 - exposed:.0%} hidden behind compute" if exposed < 1.0 else ""
-        g.notes[1] = (f"planner: offload frees {format_bytes(g.nbytes)} for {_us(copy_s)} of copies each way "
-                      f"({link_bytes} B){hidden}")
+        g.notes[1] = (f"planner: offload frees {format_bytes(g.nbytes)} ({format_bytes(offload_frees)} at the peak) "
+                      f"for {_us(copy_s)} of copies each way ({link_bytes} B){hidden}")
         members = [joint_nodes[m] for m in g.members if m in joint_nodes]
         if allow_recompute and len(members) == len(g.members):
             stays, _, marks = walk.walk({}, "keep", {m: "recompute" for m in g.members}, start=members)
@@ -162,10 +250,12 @@ def saved_groups(keep: Attempt, joint: fx.GraphModule, profile, allow_recompute:
                 extra = sum(info(r).nbytes_hint for r in extra_roots)
                 if g.nbytes - extra > 0:
                     kernels = sum(1 for n in replayed if seconds.get(n.name, 0.0) > 0)
-                    g.options.append(Option("recompute", g.nbytes - extra, replay_s))
-                    g.notes.append(f"planner: recompute frees {format_bytes(g.nbytes - extra)} for {_us(replay_s)} "
-                                   f"replaying {kernels} op(s) from saved values")
-        cheapest = min(g.options[1:], key=lambda o: o.time_cost / max(o.memory_saved, 1))
+                    frees = max(0, min(recompute_frees, g.nbytes - extra))
+                    g.options.append(Option("recompute", frees, replay_s))
+                    g.notes.append(f"planner: recompute frees {format_bytes(g.nbytes - extra)} "
+                                   f"({format_bytes(frees)} at the peak) for {_us(replay_s)} replaying {kernels} "
+                                   f"op(s) from saved values")
+        cheapest = min(g.options[1:], key=lambda o: (o.memory_saved == 0, o.time_cost))
         g.notes[0] = (f"planner: kept on the device ({format_bytes(g.nbytes)}; cheapest alternative "
                       f"{cheapest.name} at {_us(cheapest.time_cost)})")
         out.append(g)
@@ -279,12 +369,23 @@ def plan_training(
     if recompute_all is not None:
         boundary_bytes = _saved_device_bytes_by_layer(recompute_all)
         fwd_seconds = _forward_seconds_by_layer(keep.forward, profile)
+    # Per saved activation (storage group), priced one by one; also tells what a whole layer
+    # frees at the peak.
+    groups = saved_groups(keep, joint, profile, allow_recompute, options.prefetch_depth, floor) if joint else []
+    at_peak: dict[str, list[int]] = {}
+    for g in groups:
+        row = at_peak.setdefault(g.layer, [0, 0])
+        row[0] += g.options[1].memory_saved
+        row[1] += g.options[2].memory_saved if len(g.options) > 2 else 0
     items: list[list[Option]] = []
     for layer in layers:
         k = keep_bytes.get(layer, 0)
-        opts = [Option("keep", 0, 0.0), Option("offload", k, k * link)]
+        off, rec = max(0, k), max(0, k - boundary_bytes.get(layer, 0)) if recompute_all is not None else 0
+        if joint is not None:
+            off, rec = min(off, at_peak.get(layer, [0, 0])[0]), min(rec, at_peak.get(layer, [0, 0])[1])
+        opts = [Option("keep", 0, 0.0), Option("offload", off, k * link)]
         if recompute_all is not None:
-            opts.append(Option("recompute", max(0, k - boundary_bytes.get(layer, 0)), fwd_seconds.get(layer, 0.0)))
+            opts.append(Option("recompute", rec, fwd_seconds.get(layer, 0.0)))
         items.append(opts)
     solver = SOLVERS[options.solver]
     seen: set[tuple[str, ...]] = set()
@@ -300,8 +401,7 @@ def plan_training(
         a.plan.layer_costs = {layer: dataclasses.asdict(items[i][j]) for i, (layer, j) in enumerate(zip(layers, picks))}
         candidates.append(a)
     # Fine: one decision per saved activation (per storage group), priced one by one.
-    if joint is not None:
-        groups = saved_groups(keep, joint, profile, allow_recompute)
+    if groups:
         value_items = [g.options for g in groups]
         most = sum(max(o.memory_saved for o in opts) for opts in value_items)
         targets = [int((keep.peak - floor) * f) + 1 for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)]
