@@ -171,7 +171,7 @@ class TrainingCompiler:
         from megacompile.passes.resident_parameters import used_in_both_phases
 
         both_phases = [info(n).source for n in used_in_both_phases(joint)]
-        chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases)
+        chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases, joint=joint)
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = chosen.snapshots
         COMPILED.append(self.record)
