@@ -323,12 +323,49 @@ def plan_training(
 
     def make(default: str, per_layer: dict[str, str] | None = None, name: str = "",
              resident: list[str] | None = None, per_value: dict[str, str] | None = None,
-             value_reason: dict[str, str] | None = None, resident_reason: dict[str, str] | None = None) -> Attempt:
+             value_reason: dict[str, str] | None = None, resident_reason: dict[str, str] | None = None,
+             prefetch: dict[str, int] | None = None, prefetch_reason: dict[str, str] | None = None) -> Attempt:
         plan = TrainingPlan(policy=name or default, budget=budget, default_policy=default,
                             layer_policy=dict(per_layer or {}), resident=list(resident or []),
                             value_policy=dict(per_value or {}), value_reason=dict(value_reason or {}),
-                            resident_reason=dict(resident_reason or {}))
+                            resident_reason=dict(resident_reason or {}),
+                            prefetch=dict(prefetch or {}), prefetch_reason=dict(prefetch_reason or {}))
         return build(plan)
+
+    def deeper_prefetch(a: Attempt) -> Attempt | None:
+        """``a`` with every streamed value whose load stalls the compute lane (by the cost
+        model's lane simulation) prefetched one layer further ahead, or None if none stalls."""
+        stalls = _load_stalls(a, profile, options.precision)
+        if not stalls:
+            return None
+        p = a.plan
+        prefetch, reasons = dict(p.prefetch), dict(p.prefetch_reason)
+        for source, stall in stalls.items():
+            depth = p.prefetch.get(source, options.prefetch_depth)
+            if depth >= _MAX_PREFETCH:
+                continue
+            prefetch[source] = depth + 1
+            reasons[source] = (f"prefetched {depth + 1} layers ahead: at depth {depth} the compute lane would wait "
+                               f"{_us(stall)} for this load (cost model)")
+        if prefetch == p.prefetch:
+            return None
+        deeper = make(p.default_policy, p.layer_policy, f"{p.policy}, deeper prefetch for {len(stalls)} value(s)",
+                      p.resident, p.value_policy, p.value_reason, p.resident_reason, prefetch, reasons)
+        deeper.plan.layer_costs = dict(p.layer_costs)
+        return deeper
+
+    def with_tuned_prefetch(a: Attempt) -> Attempt:
+        """The faster of ``a`` and ``a`` with deeper prefetch, if that fits the budget."""
+        deeper = deeper_prefetch(a)
+        if deeper is None or not fits(deeper):
+            return a
+        if a.plan.predicted_seconds is None:
+            a.plan.predicted_seconds = predict_seconds(a)
+        deeper.plan.predicted_seconds = predict_seconds(deeper)
+        if deeper.plan.predicted_seconds >= a.plan.predicted_seconds:
+            return a
+        deeper.plan.reason = a.plan.reason
+        return deeper
 
     def fits(a: Attempt) -> bool:
         return budget is None or a.peak <= budget
@@ -350,8 +387,8 @@ def plan_training(
     keep = make("keep")
     if fits(keep):
         if resident_candidates and not {"resident_parameters", "stream_parameters"} & set(options.disable_passes):
-            return _partial_residency(keep, resident_candidates, budget, make, predict_seconds)
-        return keep
+            return with_tuned_prefetch(_partial_residency(keep, resident_candidates, budget, make, predict_seconds))
+        return with_tuned_prefetch(keep)
 
     # The candidate ladder: built plans from least to most aggressive. Each is built for
     # real, so its peak is the one the runtime will see, and priced by the cost model.
@@ -423,6 +460,10 @@ def plan_training(
             a.plan.layer_costs = {g.root: dataclasses.asdict(g.options[j]) for g, j in zip(groups, picks)}
             candidates.append(a)
 
+    # Each candidate whose loads stall the compute lane also comes with deeper prefetch for
+    # those loads (more memory, less waiting): the ladder decides, like for everything else.
+    candidates += [d for d in map(deeper_prefetch, list(candidates)) if d is not None]
+
     # Keep a ladder along which, as the peak grows, predicted time strictly falls and the
     # recompute count never rises; a budget then takes the last rung that fits. A larger
     # budget can only move up the ladder: step time and recomputed ops never increase.
@@ -445,6 +486,32 @@ def plan_training(
         f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver for per-layer choices)"
     )
     return chosen
+
+
+# A parameter is prefetched at most this many layers ahead (each layer deeper holds one more
+# layer's parameters on the device).
+_MAX_PREFETCH = 4
+
+
+def _load_stalls(attempt: Attempt, profile, precision: str) -> dict[str, float]:
+    """Streamed value (by source name) -> seconds the compute lane waits for its loads,
+    over the forward and the backward, by the cost model's lane simulation."""
+    from .cost_model import simulate
+
+    stalls: dict[str, float] = {}
+    for gm in (attempt.forward, attempt.backward):
+        if gm is None:
+            continue
+        waits = {n.name: n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.wait}
+        for event in simulate(gm, profile, precision).events:
+            wait = waits.get(event.name) if event.lane == "stall" else None
+            load = wait.args[0] if wait is not None else None
+            if load is None or load.target is not ops.load or load.args[0].op != "placeholder":
+                continue
+            source = info(load).source
+            if source:
+                stalls[source] = stalls.get(source, 0.0) + (event.end_s - event.start_s)
+    return stalls
 
 
 def _raise(attempts: list[Attempt], budget: int | None) -> None:
