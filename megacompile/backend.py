@@ -23,6 +23,7 @@ from .errors import PlacementError, UnsupportedGraph
 from .node_info import source_to_name
 from .options import Options, parse_options
 from .report import RECORDER
+from .runtime import trace
 
 
 def describe_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[list[str], list[str]]:
@@ -99,9 +100,12 @@ def _host_region(gm: fx.GraphModule, example_inputs: list, options: Options) -> 
     else:
         compiled = gm.forward
 
+    lane = "host optimizer" if "optimizer" in label else "host"
+
     @torch.compiler.disable
     def run_on_host(*args):
-        out = compiled(*args)
+        with trace.span(lane, label):
+            out = compiled(*args)
         RECORDER.host_graph_ran(label)
         return out
 

@@ -48,7 +48,8 @@ class CompiledGraph:
         # hands every device-side tensor to the tracker.
         return self.options.device == "cuda" or self.options.lowering == "eager"
 
-    def make_report(self, device, measured: int | None, host_graphs: list[str]) -> StepReport:
+    def make_report(self, stats, measured: int | None, host_graphs: list[str]) -> StepReport:
+        """The step's report from its transfer counters (``device.stats``) and measured peak."""
         plan = self.plan
         layers: dict[str, LayerRow] = {}
 
@@ -60,9 +61,9 @@ class CompiledGraph:
 
         for layer, nbytes in self.param_bytes_by_layer.items():
             row(layer).param_bytes += nbytes
-        for layer, nbytes in device.stats.h2d_by_layer.items():
+        for layer, nbytes in stats.h2d_by_layer.items():
             row(layer).h2d_bytes = nbytes
-        for layer, nbytes in device.stats.d2h_by_layer.items():
+        for layer, nbytes in stats.d2h_by_layer.items():
             row(layer).d2h_bytes = nbytes
         if self.forward is not None:
             saved = set(plan.saved_values)
@@ -84,8 +85,8 @@ class CompiledGraph:
             policy=plan.policy,
             planned_peak_device_bytes=plan.peak_bytes,
             measured_peak_device_bytes=measured,
-            h2d_bytes=device.stats.h2d_bytes,
-            d2h_bytes=device.stats.d2h_bytes,
+            h2d_bytes=stats.h2d_bytes,
+            d2h_bytes=stats.d2h_bytes,
             recomputed_ops=list(plan.recomputed_ops),
             layers=list(layers.values()),
             graphs=[self.label],
@@ -170,11 +171,13 @@ class TrainingCompiler:
     # compiled frame; without ``disable`` Dynamo would trace our lowering code itself.
     @torch.compiler.disable
     def compile_forward(self, gm: fx.GraphModule, example_inputs) -> Any:
-        return self.lower(self._same_or_ours(gm, self.record.forward), start_step=True, record=self.record)
+        return self.lower(self._same_or_ours(gm, self.record.forward), start_step=True, record=self.record,
+                          part="forward")
 
     @torch.compiler.disable
     def compile_backward(self, gm: fx.GraphModule, example_inputs) -> Any:
-        return self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record)
+        return self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record,
+                          part="backward")
 
     @torch.compiler.disable
     def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Any:
@@ -195,7 +198,7 @@ class TrainingCompiler:
         COMPILED.append(self.record)
         # Glue without parameters (``loss.detach()``) belongs to the step around it.
         starts_step = "param" in self.input_roles
-        return self.lower(gm, start_step=starts_step, record=self.record)
+        return self.lower(gm, start_step=starts_step, record=self.record, part="forward")
 
     @staticmethod
     def _same_or_ours(given: fx.GraphModule, ours: fx.GraphModule | None) -> fx.GraphModule:
@@ -211,9 +214,10 @@ def lower_with(options: Options, device):
     def compile_segment(gm: fx.GraphModule, inputs: list):
         return compat.inductor_compile(gm, inputs)
 
-    def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph):
+    def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str):
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
         on_finish = (lambda: RECORDER.graph_finished(record)) if start_step or record.plan.policy != "inference" else None
-        return StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish)
+        return StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
+                                label=f"{record.label} {part}")
 
     return lower

@@ -14,6 +14,7 @@ Two lowerings share the executor:
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import torch
@@ -22,6 +23,7 @@ import torch.fx as fx
 from megacompile import ops
 from megacompile.node_info import has_info, info
 
+from . import trace as _trace
 from .device import StreamingDevice
 
 
@@ -76,8 +78,10 @@ class StreamingProgram:
         compile_segment: Callable[[fx.GraphModule, list], Callable] | None = None,
         on_start: Callable[[], None] | None = None,
         on_finish: Callable[[], None] | None = None,
+        label: str = "program",
     ) -> None:
         self.gm = gm
+        self.label = label  # the name of this program's event in a runtime trace
         self.device = device
         self.lowering = lowering
         self.compile_segment = compile_segment
@@ -129,13 +133,16 @@ class StreamingProgram:
                                 fn=node.args[1] if len(node.args) > 1 else None)
                 )
             else:
-                if self.lowering == "inductor" and not _is_trivial(node):
+                # A view or getitem inside a run of compute joins its segment (fewer segment
+                # calls, and Inductor sees e.g. a reduction behind a transpose); on its own it
+                # runs as it is.
+                if self.lowering == "inductor" and (pending or not _is_trivial(node)):
                     pending.append(node)
                 else:
                     flush()
                     self.instructions.append(
                         Instruction("op", [slot_of(node)], (template(node.args), template(node.kwargs)),
-                                    fn=node.target, name=node.name)
+                                    fn=node.target, name=node.name, layer=info(node).layer if has_info(node) else None)
                     )
         self.num_slots = len(slot)
         self._plan_frees(slot)
@@ -159,8 +166,10 @@ class StreamingProgram:
             env[n].meta = {}
         graph.output(tuple(env[o] for o in outputs))
         sub = fx.GraphModule(self.gm, graph)
+        layers = list(dict.fromkeys(info(n).layer for n in seg_nodes if has_info(n) and info(n).layer))
         instr = Instruction("segment", [slot_of(o) for o in outputs], [slot_of(i) for i in inputs],
-                            name=f"segment[{seg_nodes[0].name}..{seg_nodes[-1].name}]")
+                            name=f"segment[{seg_nodes[0].name}..{seg_nodes[-1].name}]",
+                            layer=",".join(layers) if layers else None)
         instr.fn = {"gm": sub, "compiled": None}
         return instr
 
@@ -214,7 +223,12 @@ class StreamingProgram:
             env[s] = None
         device = self.device
         track = self.lowering == "eager"
+        recorder = _trace.active()
+        if recorder is not None:
+            program_start = time.perf_counter_ns()
         for instr in self.instructions:
+            if recorder is not None:
+                instr_start = time.perf_counter_ns()
             kind = instr.kind
             if kind == "op":
                 a, kw = _resolve(instr.args, env)
@@ -224,7 +238,7 @@ class StreamingProgram:
                 if track:
                     device.track(env[instr.out[0]])
             elif kind == "load":
-                env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer)
+                env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer, track)
             elif kind == "wait":
                 device.wait(env[instr.args[0]])
             elif kind == "evict":
@@ -242,12 +256,38 @@ class StreamingProgram:
                 outs = None
             elif kind == "const":
                 env[instr.out[0]] = instr.fn
+            if recorder is not None:
+                _record_instruction(recorder, device, instr, env, instr_start)
             if self.memory_log is not None:
                 self.memory_log.append((instr.name, device.tracker.current))
             for s in instr.frees:
                 env[s] = None
         result = _resolve(self.output_template, env)
         env.clear()
+        if recorder is not None:
+            recorder.add("graphs", self.label, program_start, time.perf_counter_ns(),
+                         {"instructions": len(self.instructions)})
         if self.on_finish is not None:
             self.on_finish()
         return result
+
+
+_COMPUTE_LANES = {"op": "compute", "segment": "compute", "const": "compute", "wait": "wait", "evict": "evict"}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _record_instruction(recorder, device: StreamingDevice, instr: Instruction, env: list, start_ns: int) -> None:
+    """One finished instruction as a trace event (only while ``trace_runtime`` is active)."""
+    end_ns = time.perf_counter_ns()
+    kind = instr.kind
+    lane = device.trace_copy_lanes.get(kind) or _COMPUTE_LANES.get(kind, "compute")
+    values = [env[s] for s in (instr.out or instr.args)] if kind != "op" else [env[instr.out[0]]]
+    args = {"kind": kind, "layer": instr.layer, "bytes": _nbytes(values)}
+    recorder.add(lane, instr.name, start_ns, end_ns, args)
