@@ -207,6 +207,60 @@ class TrainingCompiler:
         return given if ours is None else given
 
 
+def size_check(record: CompiledGraph, budget: int | None):
+    """A check, run before a program starts, that the plan fits at the call's actual sizes.
+
+    The plan is made at the traced example's sizes; with dynamic shapes a later call may be
+    larger. The byte counts are kept as sympy expressions of the size symbols
+    (``NodeInfo.nbytes``), so the peak of both rewritten graphs is re-estimated at each new set
+    of sizes (once per set) and a ``BudgetError`` is raised before anything runs if it exceeds
+    the budget. None where there is nothing to check (no budget, static shapes).
+    """
+    import sympy
+
+    if budget is None or record.forward is None:
+        return None
+    bindings: list[tuple[int, int | None, Any, Any]] = []  # input, dim (None: a SymInt input), symbol, SymInt
+    placeholders = [n for n in record.forward.graph.nodes if n.op == "placeholder"]
+    for index, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        dims = list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else [(None, val)]
+        for dim, size in dims:
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                bindings.append((index, dim, size.node.expr, size))
+    if not bindings:
+        return None
+    checked: set[tuple] = set()
+    roots = storage_roots(record.forward)
+    traced = ", ".join(f"{sym}={compat.int_hint(size)}" for _, _, sym, size in bindings)
+
+    def check(args: list) -> None:
+        sizes = {}
+        for index, dim, sym, _ in bindings:
+            value = args[index] if dim is None else args[index].shape[dim]
+            sizes.setdefault(sym, int(value))
+        key = tuple(sizes.values())
+        if key in checked:
+            return
+        estimates = [estimate_memory(record.forward, keep_outputs_alive=True, sizes=sizes)]
+        if record.backward is not None:
+            estimates.append(estimate_memory(record.backward, keep_outputs_alive=False, input_storage=roots,
+                                             sizes=sizes))
+        worst = max(estimates, key=lambda e: e.peak_bytes)
+        if worst.peak_bytes > budget:
+            now = ", ".join(f"{sym}={v}" for sym, v in sizes.items())
+            raise BudgetError(
+                f"megatrain: at this call's sizes ({now}) the plan made at the traced sizes ({traced}) needs "
+                f"{format_bytes(worst.peak_bytes)} ({worst.peak_bytes} bytes) of device memory, set by layer "
+                f"'{worst.peak_layer}', over memory_budget={format_bytes(budget)}. Nothing has run for this "
+                f"call. Use smaller inputs, or raise memory_budget to at least {worst.peak_bytes}.",
+                minimum_budget=worst.peak_bytes, limiting_layer=str(worst.peak_layer),
+            )
+        checked.add(key)
+
+    return check
+
+
 def lower_with(options: Options, device):
     """A lowering function bound to the options: graph -> StreamingProgram."""
     from megacompile.runtime.executor import StreamingProgram
@@ -217,7 +271,8 @@ def lower_with(options: Options, device):
     def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str):
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
         on_finish = (lambda: RECORDER.graph_finished(record)) if start_step or record.plan.policy != "inference" else None
+        check = size_check(record, options.memory_budget) if part == "forward" else None
         return StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
-                                label=f"{record.label} {part}")
+                                label=f"{record.label} {part}", check_inputs=check)
 
     return lower

@@ -79,9 +79,12 @@ class StreamingProgram:
         on_start: Callable[[], None] | None = None,
         on_finish: Callable[[], None] | None = None,
         label: str = "program",
+        check_inputs: Callable[[list], None] | None = None,
     ) -> None:
         self.gm = gm
         self.label = label  # the name of this program's event in a runtime trace
+        # Called with the inputs before anything runs (the plan's re-check at new sizes).
+        self.check_inputs = check_inputs
         self.device = device
         self.lowering = lowering
         self.compile_segment = compile_segment
@@ -213,6 +216,8 @@ class StreamingProgram:
     # graph break); without this, Dynamo would try to trace the runtime itself.
     @torch.compiler.disable
     def __call__(self, args: list) -> Any:
+        if self.check_inputs is not None:
+            self.check_inputs(args)
         if self.on_start is not None:
             self.on_start()
         env: list = [None] * self.num_slots
