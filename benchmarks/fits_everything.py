@@ -13,7 +13,7 @@ import argparse
 import copy
 import datetime
 import os
-import platform
+import re
 import statistics
 import sys
 import time
@@ -22,6 +22,9 @@ import torch
 import torch.nn as nn
 
 import megacompile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import cpu_model  # noqa: E402
 
 
 def make_step(model, opt):
@@ -83,7 +86,7 @@ def main() -> int:
     base_name = "torch.compile (inductor)"
     base_ms = statistics.median(times[base_name]) * 1e3
     lines = [
-        f"# fits_everything: {datetime.date.today()} on {platform.processor() or platform.machine()} "
+        f"# fits_everything: {datetime.date.today()} on {cpu_model()} "
         f"({os.cpu_count()} cores), torch {torch.__version__}",
         f"# MLP width {args.width} depth {args.depth} batch {args.batch}, AdamW, fp32, no memory budget; "
         f"median of {args.steps} interleaved steps",
@@ -99,8 +102,9 @@ def main() -> int:
     lines.append(f"target: megatrain (inductor lowering) within 10% of torch.compile: {'MET' if ok else 'MISSED'}")
     text = "\n".join(lines)
     print(text)
+    slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\(r\)|\(tm\)|cpu|@.*", "", cpu_model().lower())).strip("-")
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   f"fits_everything-{datetime.date.today()}-cpu-{os.cpu_count()}core.txt")
+                                   f"fits_everything-{datetime.date.today()}-cpu-{os.cpu_count()}core-{slug}.txt")
     with open(out, "w") as f:
         f.write(text + "\n")
     return 0

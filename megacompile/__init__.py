@@ -12,10 +12,11 @@ from .backend import megatrain
 from .errors import BudgetError, MegacompileError, OptionsError, PlacementError
 from .options import Options, parse_options
 from .report import StepReport, last_report
+from .runtime.trace import trace_runtime
 
 __all__ = [
     "BudgetError", "MegacompileError", "Options", "OptionsError", "PlacementError", "StepReport",
-    "last_report", "megatrain", "parse_options",
+    "last_report", "megatrain", "parse_options", "trace_runtime",
 ]
 
 

@@ -25,6 +25,7 @@ from .inline_regions import inline_nested_regions
 from .node_info import source_to_name
 from .options import Options, parse_options
 from .report import RECORDER
+from .runtime import trace
 
 
 def describe_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[list[str], list[str]]:
@@ -101,9 +102,12 @@ def _host_region(gm: fx.GraphModule, example_inputs: list, options: Options) -> 
     else:
         compiled = gm.forward
 
+    lane = "host optimizer" if "optimizer" in label else "host"
+
     @torch.compiler.disable
     def run_on_host(*args):
-        out = compiled(*args)
+        with trace.span(lane, label):
+            out = compiled(*args)
         eager_update_watch.host_step_ran()
         RECORDER.host_graph_ran(label)
         return out

@@ -48,9 +48,8 @@ class CompiledGraph:
         # hands every device-side tensor to the tracker.
         return self.options.device == "cuda" or self.options.lowering == "eager"
 
-    def make_report(self, device, measured: int | None, host_graphs: list[str]) -> StepReport:
-        from . import overlap
-
+    def make_report(self, stats, measured: int | None, host_graphs: list[str]) -> StepReport:
+        """The step's report from its transfer counters (``device.stats``) and measured peak."""
         plan = self.plan
         layers: dict[str, LayerRow] = {}
 
@@ -62,9 +61,9 @@ class CompiledGraph:
 
         for layer, nbytes in self.param_bytes_by_layer.items():
             row(layer).param_bytes += nbytes
-        for layer, nbytes in device.stats.h2d_by_layer.items():
+        for layer, nbytes in stats.h2d_by_layer.items():
             row(layer).h2d_bytes = nbytes
-        for layer, nbytes in device.stats.d2h_by_layer.items():
+        for layer, nbytes in stats.d2h_by_layer.items():
             row(layer).d2h_bytes = nbytes
         if self.forward is not None:
             saved = set(plan.saved_values)
@@ -86,14 +85,13 @@ class CompiledGraph:
             policy=plan.policy,
             planned_peak_device_bytes=plan.peak_bytes,
             measured_peak_device_bytes=measured,
-            h2d_bytes=device.stats.h2d_bytes,
-            d2h_bytes=device.stats.d2h_bytes,
+            h2d_bytes=stats.h2d_bytes,
+            d2h_bytes=stats.d2h_bytes,
             recomputed_ops=list(plan.recomputed_ops),
             layers=list(layers.values()),
             graphs=[self.label],
             host_graphs=host_graphs,
             notes=[plan.reason] if plan.reason else [],
-            optimizer=dataclasses.asdict(overlap.LAST) if overlap.LAST is not None else None,
         )
 
 
@@ -181,7 +179,8 @@ class TrainingCompiler:
     # compiled frame; without ``disable`` Dynamo would trace our lowering code itself.
     @torch.compiler.disable
     def compile_forward(self, gm: fx.GraphModule, example_inputs) -> Any:
-        program = self.lower(self._same_or_ours(gm, self.record.forward), start_step=True, record=self.record)
+        program = self.lower(self._same_or_ours(gm, self.record.forward), start_step=True, record=self.record,
+                             part="forward")
 
         def observe(args: list) -> None:
             self.param_inputs.observe(args)
@@ -192,7 +191,8 @@ class TrainingCompiler:
 
     @torch.compiler.disable
     def compile_backward(self, gm: fx.GraphModule, example_inputs) -> Any:
-        program = self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record)
+        program = self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record,
+                             part="backward")
         program.make_lander = self._make_lander
         finished = program.on_finish
 
@@ -216,7 +216,9 @@ class TrainingCompiler:
         if opt is None:
             overlap.record(overlap.OverlapStats(False, reason))
             return None
-        lander = overlap.GradientLander(opt, params, self.device, reason)
+        from megacompile.runtime import trace
+
+        lander = overlap.GradientLander(opt, params, self.device, reason, span=trace.span)
         overlap.record(lander.stats)
         return lander
 
@@ -239,13 +241,67 @@ class TrainingCompiler:
         COMPILED.append(self.record)
         # Glue without parameters (``loss.detach()``) belongs to the step around it.
         starts_step = "param" in self.input_roles
-        return self.lower(gm, start_step=starts_step, record=self.record)
+        return self.lower(gm, start_step=starts_step, record=self.record, part="forward")
 
     @staticmethod
     def _same_or_ours(given: fx.GraphModule, ours: fx.GraphModule | None) -> fx.GraphModule:
         # AOTAutograd hands back the module the partitioner returned; if a PyTorch version
         # copies it, the copy has the same nodes and meta.
         return given if ours is None else given
+
+
+def size_check(record: CompiledGraph, budget: int | None):
+    """A check, run before a program starts, that the plan fits at the call's actual sizes.
+
+    The plan is made at the traced example's sizes; with dynamic shapes a later call may be
+    larger. The byte counts are kept as sympy expressions of the size symbols
+    (``NodeInfo.nbytes``), so the peak of both rewritten graphs is re-estimated at each new set
+    of sizes (once per set) and a ``BudgetError`` is raised before anything runs if it exceeds
+    the budget. None where there is nothing to check (no budget, static shapes).
+    """
+    import sympy
+
+    if budget is None or record.forward is None:
+        return None
+    bindings: list[tuple[int, int | None, Any, Any]] = []  # input, dim (None: a SymInt input), symbol, SymInt
+    placeholders = [n for n in record.forward.graph.nodes if n.op == "placeholder"]
+    for index, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        dims = list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else [(None, val)]
+        for dim, size in dims:
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                bindings.append((index, dim, size.node.expr, size))
+    if not bindings:
+        return None
+    checked: set[tuple] = set()
+    roots = storage_roots(record.forward)
+    traced = ", ".join(f"{sym}={compat.int_hint(size)}" for _, _, sym, size in bindings)
+
+    def check(args: list) -> None:
+        sizes = {}
+        for index, dim, sym, _ in bindings:
+            value = args[index] if dim is None else args[index].shape[dim]
+            sizes.setdefault(sym, int(value))
+        key = tuple(sizes.values())
+        if key in checked:
+            return
+        estimates = [estimate_memory(record.forward, keep_outputs_alive=True, sizes=sizes)]
+        if record.backward is not None:
+            estimates.append(estimate_memory(record.backward, keep_outputs_alive=False, input_storage=roots,
+                                             sizes=sizes))
+        worst = max(estimates, key=lambda e: e.peak_bytes)
+        if worst.peak_bytes > budget:
+            now = ", ".join(f"{sym}={v}" for sym, v in sizes.items())
+            raise BudgetError(
+                f"megatrain: at this call's sizes ({now}) the plan made at the traced sizes ({traced}) needs "
+                f"{format_bytes(worst.peak_bytes)} ({worst.peak_bytes} bytes) of device memory, set by layer "
+                f"'{worst.peak_layer}', over memory_budget={format_bytes(budget)}. Nothing has run for this "
+                f"call. Use smaller inputs, or raise memory_budget to at least {worst.peak_bytes}.",
+                minimum_budget=worst.peak_bytes, limiting_layer=str(worst.peak_layer),
+            )
+        checked.add(key)
+
+    return check
 
 
 def lower_with(options: Options, device):
@@ -255,9 +311,11 @@ def lower_with(options: Options, device):
     def compile_segment(gm: fx.GraphModule, inputs: list):
         return compat.inductor_compile(gm, inputs)
 
-    def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph):
+    def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str):
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
         on_finish = (lambda: RECORDER.graph_finished(record)) if start_step or record.plan.policy != "inference" else None
-        return StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish)
+        check = size_check(record, options.memory_budget) if part == "forward" else None
+        return StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
+                                label=f"{record.label} {part}", check_inputs=check)
 
     return lower

@@ -378,7 +378,9 @@ class GradientLander:
 
         start = time.perf_counter()
         nbytes = 0
-        span = self.span("host optimizer", f"adam[{layer}]", layer=layer) if self.span else _NullSpan()
+        n = sum(len(items) for items, _ in work)
+        span = (self.span("host optimizer", f"adam[{layer}]", layer=layer, tensors=n, overlapped=True)
+                if self.span else _NullSpan())
         with span:
             for items, hyper in work:
                 grads = []

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Any
+
+import sympy
 import torch
 import torch.fx as fx
 
 from . import ops
-from .node_info import has_info, info, is_view_node, tensor_nbytes_hint
+from .node_info import has_info, info, is_view_node, tensor_nbytes, tensor_nbytes_hint
 
 
 @dataclasses.dataclass
@@ -85,12 +88,23 @@ def storage_root(node: fx.Node, memo: dict) -> fx.Node:
     return root
 
 
-def _owned_bytes(node: fx.Node) -> int:
+def bytes_at(nbytes: Any, hint: int, sizes: dict | None) -> int:
+    """``nbytes`` (an int or a sympy expression) at the given symbol values; the traced
+    example's ``hint`` where no sizes are given or a symbol is not among them."""
+    if sizes is None:
+        return hint
+    if not isinstance(nbytes, sympy.Expr):
+        return int(nbytes)
+    value = nbytes.xreplace(sizes)
+    return int(value) if value.is_number else hint
+
+
+def _owned_bytes(node: fx.Node, sizes: dict | None = None) -> int:
     if not has_info(node) or info(node).placement != "device":
         return 0
     if node.op == "call_function" and node.target in (ops.wait, ops.evict):
         return 0
-    return info(node).nbytes_hint
+    return bytes_at(info(node).nbytes, info(node).nbytes_hint, sizes)
 
 
 def storage_roots(gm: fx.GraphModule) -> dict[str, str]:
@@ -100,9 +114,11 @@ def storage_roots(gm: fx.GraphModule) -> dict[str, str]:
 
 
 def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None,
-                    input_storage: dict[str, str] | None = None) -> MemoryEstimate:
+                    input_storage: dict[str, str] | None = None, sizes: dict | None = None) -> MemoryEstimate:
     """``input_storage``: for the backward, which saved inputs share one forward storage
-    (``storage_roots`` of the forward graph): they are one allocation, not several."""
+    (``storage_roots`` of the forward graph): they are one allocation, not several.
+    ``sizes``: values of the graph's size symbols (sympy symbol -> int) to estimate at, for a
+    call whose shapes differ from the traced example's; None: the example's sizes."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
@@ -124,7 +140,7 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
         if node.op not in ("placeholder", "call_function"):
             continue
         root = storage_root(node, memo)
-        if _owned_bytes(root) == 0:
+        if _owned_bytes(root, sizes) == 0:
             continue
         born_at = 0 if root.op == "placeholder" else position[root]
         if root.op == "call_function" and root.target is operator.getitem:
@@ -152,7 +168,8 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
             if g in death:
                 death[g] = max(death[g], tuple_end)
         taken = {g.args[1] for g in getitems}
-        orphan = sum(tensor_nbytes_hint(v) for i, v in enumerate(node.meta["val"]) if i not in taken)
+        orphan = sum(bytes_at(tensor_nbytes(v), tensor_nbytes_hint(v), sizes)
+                     for i, v in enumerate(node.meta["val"]) if i not in taken)
         if orphan:
             orphans.append((position[node], tuple_end, orphan))
 
@@ -162,7 +179,7 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
         delta[dies_at + 1] -= size
     start_bytes = end_bytes = 0
     for root, b in birth.items():
-        size = _owned_bytes(root)
+        size = _owned_bytes(root, sizes)
         delta[b] += size
         delta[death[root] + 1] -= size
         if b == 0 and root.op == "placeholder":

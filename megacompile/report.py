@@ -6,6 +6,7 @@ resets the device's transfer counters and peak tracker at that point.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 from typing import Any
@@ -84,6 +85,7 @@ class StepRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._current: dict[str, Any] | None = None
+        self._pending: tuple | None = None
         self._last: StepReport | None = None
 
     def forward_started(self, compiled, device) -> None:
@@ -109,14 +111,27 @@ class StepRecorder:
                 self._update()
 
     def _update(self) -> None:
+        # Only the numbers are taken here; the report (a walk over the step's graphs) is
+        # built when someone asks for it, not once per graph of every step.
         cur = self._current
         compiled, device = cur["compiled"], cur["device"]
         device.synchronize()
         measured = device.tracker.peak_since_reset() if compiled.measures_peak else None
-        self._last = compiled.make_report(device, measured, list(cur["host_graphs"]))
+        stats = copy.copy(device.stats)  # the counters as of now (later glue graphs add to them)
+        stats.h2d_by_layer, stats.d2h_by_layer = dict(stats.h2d_by_layer), dict(stats.d2h_by_layer)
+        from . import overlap
+
+        optimizer = dataclasses.asdict(overlap.LAST) if overlap.LAST is not None else None
+        self._pending = (compiled, stats, measured, list(cur["host_graphs"]), optimizer)
+        self._last = None
 
     def last(self) -> StepReport | None:
-        return self._last
+        with self._lock:
+            if self._last is None and self._pending is not None:
+                compiled, stats, measured, host_graphs, optimizer = self._pending
+                self._last = compiled.make_report(stats, measured, host_graphs)
+                self._last.optimizer = optimizer
+            return self._last
 
 
 RECORDER = StepRecorder()

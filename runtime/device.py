@@ -21,6 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import torch
 
+from . import trace
 from .tracker import ArenaTracker, CudaTracker
 
 
@@ -43,6 +44,8 @@ class TransferStats:
 
 class StreamingDevice:
     kind = "abstract"
+    # Runtime-trace lanes of the memory ops' issuing side (see runtime/trace.py).
+    trace_copy_lanes = {"load": "h2d", "offload": "d2h"}
 
     def __init__(self) -> None:
         self.stats = TransferStats()
@@ -50,8 +53,9 @@ class StreamingDevice:
     def reset_stats(self) -> None:
         self.stats = TransferStats()
 
-    # The executor calls these for the memory ops.
-    def load(self, host: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
+    # The executor calls these for the memory ops. ``track=False``: the caller does not
+    # measure this program's peak (the stand-in's inductor lowering), so skip the accounting.
+    def load(self, host: torch.Tensor, name: str, layer: str | None, track: bool = True) -> torch.Tensor:
         raise NotImplementedError
 
     def offload(self, device_tensor: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
@@ -83,9 +87,10 @@ class CpuStandInDevice(StreamingDevice):
         self.tracker = ArenaTracker()
         self.torch_device = torch.device("cpu")
 
-    def load(self, host, name, layer):
+    def load(self, host, name, layer, track=True):
         dev = host.clone(memory_format=torch.preserve_format)
-        self.tracker.track(dev)
+        if track:
+            self.tracker.track(dev)
         self.stats.add("h2d", layer, host.numel() * host.element_size())
         return dev
 
@@ -110,6 +115,8 @@ class CpuStandInDevice(StreamingDevice):
 
 class CudaDevice(StreamingDevice):
     kind = "cuda"
+    # Issuing a copy only enqueues it; the copy's own time comes from CUDA events.
+    trace_copy_lanes = {"load": "h2d enqueue", "offload": "d2h enqueue"}
 
     def __init__(self, index: int | None = None) -> None:
         super().__init__()
@@ -133,15 +140,20 @@ class CudaDevice(StreamingDevice):
                 pass
         return host.pin_memory()
 
-    def load(self, host, name, layer):
+    def load(self, host, name, layer, track=True):
         src = self._pinned_source(host)
+        recorder = trace.active()
         with torch.cuda.stream(self.h2d_stream):
             dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.torch_device)
+            copy_start = _timing_event(self.h2d_stream) if recorder is not None else None
             dev.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=recorder is not None)
             event.record(self.h2d_stream)
         self._events[dev] = event
-        self.stats.add("h2d", layer, host.numel() * host.element_size())
+        nbytes = host.numel() * host.element_size()
+        self.stats.add("h2d", layer, nbytes)
+        if recorder is not None:
+            recorder.add_cuda_copy("h2d", name, {"layer": layer, "bytes": nbytes}, copy_start, event)
         return dev
 
     def offload(self, device_tensor, name, layer):
@@ -151,14 +163,20 @@ class CudaDevice(StreamingDevice):
                                    device="cpu", pin_memory=True)
         compute = torch.cuda.current_stream(self.torch_device)
         self.d2h_stream.wait_stream(compute)
+        recorder = trace.active()
         with torch.cuda.stream(self.d2h_stream):
+            # Recorded after the wait on compute: the event marks when the copy can start.
+            copy_start = _timing_event(self.d2h_stream) if recorder is not None else None
             host.copy_(device_tensor, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=recorder is not None)
             event.record(self.d2h_stream)
         # The device copy must not be reused before the DMA has read it.
         device_tensor.record_stream(self.d2h_stream)
         self._events[host] = event
-        self.stats.add("d2h", layer, device_tensor.numel() * device_tensor.element_size())
+        nbytes = device_tensor.numel() * device_tensor.element_size()
+        self.stats.add("d2h", layer, nbytes)
+        if recorder is not None:
+            recorder.add_cuda_copy("d2h", name, {"layer": layer, "bytes": nbytes}, copy_start, event)
         return host
 
     def wait(self, t):
@@ -182,6 +200,12 @@ class CudaDevice(StreamingDevice):
 
     def synchronize(self):
         torch.cuda.synchronize(self.torch_device)
+
+
+def _timing_event(stream) -> "torch.cuda.Event":
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
 
 
 _DEVICES: dict[str, StreamingDevice] = {}

@@ -14,6 +14,7 @@ Two lowerings share the executor:
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import torch
@@ -22,6 +23,7 @@ import torch.fx as fx
 from megacompile import ops
 from megacompile.node_info import has_info, info
 
+from . import trace as _trace
 from .device import StreamingDevice
 
 
@@ -78,8 +80,13 @@ class StreamingProgram:
         on_finish: Callable[[], None] | None = None,
         observe_inputs: Callable[[list], None] | None = None,
         make_lander: Callable[[], Any] | None = None,
+        label: str = "program",
+        check_inputs: Callable[[list], None] | None = None,
     ) -> None:
         self.gm = gm
+        self.label = label  # the name of this program's event in a runtime trace
+        # Called with the inputs before anything runs (the plan's re-check at new sizes).
+        self.check_inputs = check_inputs
         self.device = device
         self.lowering = lowering
         self.compile_segment = compile_segment
@@ -137,13 +144,16 @@ class StreamingProgram:
                                 fn=node.args[1] if len(node.args) > 1 else None)
                 )
             else:
-                if self.lowering == "inductor" and not _is_trivial(node):
+                # A view or getitem inside a run of compute joins its segment (fewer segment
+                # calls, and Inductor sees e.g. a reduction behind a transpose); on its own it
+                # runs as it is.
+                if self.lowering == "inductor" and (pending or not _is_trivial(node)):
                     pending.append(node)
                 else:
                     flush()
                     self.instructions.append(
                         Instruction("op", [slot_of(node)], (template(node.args), template(node.kwargs)),
-                                    fn=node.target, name=node.name)
+                                    fn=node.target, name=node.name, layer=info(node).layer if has_info(node) else None)
                     )
         self.num_slots = len(slot)
         # Slot -> position in the returned tuple, for values returned directly.
@@ -174,8 +184,10 @@ class StreamingProgram:
             env[n].meta = {}
         graph.output(tuple(env[o] for o in outputs))
         sub = fx.GraphModule(self.gm, graph)
+        layers = list(dict.fromkeys(info(n).layer for n in seg_nodes if has_info(n) and info(n).layer))
         instr = Instruction("segment", [slot_of(o) for o in outputs], [slot_of(i) for i in inputs],
-                            name=f"segment[{seg_nodes[0].name}..{seg_nodes[-1].name}]")
+                            name=f"segment[{seg_nodes[0].name}..{seg_nodes[-1].name}]",
+                            layer=",".join(layers) if layers else None)
         instr.fn = {"gm": sub, "compiled": None}
         return instr
 
@@ -219,22 +231,29 @@ class StreamingProgram:
     # graph break); without this, Dynamo would try to trace the runtime itself.
     @torch.compiler.disable
     def __call__(self, args: list) -> Any:
+        if self.check_inputs is not None:
+            self.check_inputs(args)
         if self.on_start is not None:
             self.on_start()
         if self.observe_inputs is not None:
             self.observe_inputs(args)
         lander = self.make_lander() if self.make_lander is not None else None
+        recorder = _trace.active()
+        program_start = time.perf_counter_ns() if recorder is not None else 0
         try:
-            return self._run(args, lander)
+            return self._run(args, lander, recorder)
         finally:
             if lander is not None:
                 # Also on an error: updates already submitted must finish before anyone
                 # can look at the parameters.
                 lander.finish()
+            if recorder is not None:  # the program's event encloses the updates it waited for
+                recorder.add("graphs", self.label, program_start, time.perf_counter_ns(),
+                             {"instructions": len(self.instructions)})
             if self.on_finish is not None:
                 self.on_finish()
 
-    def _run(self, args: list, lander) -> Any:
+    def _run(self, args: list, lander, recorder) -> Any:
         env: list = [None] * self.num_slots
         for s, value in zip(self.input_slots, args):
             env[s] = value
@@ -244,6 +263,8 @@ class StreamingProgram:
         device = self.device
         track = self.lowering == "eager"
         for instr in self.instructions:
+            if recorder is not None:
+                instr_start = time.perf_counter_ns()
             kind = instr.kind
             if kind == "op":
                 a, kw = _resolve(instr.args, env)
@@ -253,7 +274,7 @@ class StreamingProgram:
                 if track:
                     device.track(env[instr.out[0]])
             elif kind == "load":
-                env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer)
+                env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer, track)
             elif kind == "wait":
                 if env[instr.args[0]] is not None:  # None: a gradient the lander took over
                     device.wait(env[instr.args[0]])
@@ -280,6 +301,8 @@ class StreamingProgram:
                 outs = None
             elif kind == "const":
                 env[instr.out[0]] = instr.fn
+            if recorder is not None:
+                _record_instruction(recorder, device, instr, env, instr_start)
             if self.memory_log is not None:
                 self.memory_log.append((instr.name, device.tracker.current))
             for s in instr.frees:
@@ -287,3 +310,24 @@ class StreamingProgram:
         result = _resolve(self.output_template, env)
         env.clear()
         return result
+
+
+_COMPUTE_LANES = {"op": "compute", "segment": "compute", "const": "compute", "wait": "wait", "evict": "evict"}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _record_instruction(recorder, device: StreamingDevice, instr: Instruction, env: list, start_ns: int) -> None:
+    """One finished instruction as a trace event (only while ``trace_runtime`` is active)."""
+    end_ns = time.perf_counter_ns()
+    kind = instr.kind
+    lane = device.trace_copy_lanes.get(kind) or _COMPUTE_LANES.get(kind, "compute")
+    values = [env[s] for s in (instr.out or instr.args)] if kind != "op" else [env[instr.out[0]]]
+    args = {"kind": kind, "layer": instr.layer, "bytes": _nbytes(values)}
+    recorder.add(lane, instr.name, start_ns, end_ns, args)

@@ -1,0 +1,198 @@
+"""A Chrome trace of the runtime's lanes: ``megacompile.trace_runtime(path)``.
+
+    with megacompile.trace_runtime("step.json"):
+        step(x, y)
+    # open step.json in chrome://tracing or https://ui.perfetto.dev
+
+While a trace is active, every ``StreamingProgram`` instruction (op, compiled segment,
+load, offload, wait), each graph run as a whole, and the host optimizer graph are recorded
+with their start and duration; on exit the events are written as Chrome trace JSON
+(``traceEvents``, complete events ``"ph": "X"``, timestamps in microseconds). One process,
+one track (``tid``) per lane:
+
+- ``compute``: ops and Inductor segments (on CUDA: the CPU time to launch them; the kernels
+  run asynchronously on the compute stream);
+- ``h2d`` / ``d2h``: parameter and activation loads, gradient and activation offloads. On the
+  CPU stand-in the copy happens where it is issued. On CUDA these lanes hold the copies'
+  real times from CUDA events on the copy streams, and ``h2d enqueue`` / ``d2h enqueue`` the
+  CPU time to issue them (the CUDA part is untested: no GPU in this repository's CI);
+- ``wait``: the compute side waiting for a copy;
+- ``host optimizer``: the optimizer graph run on the host;
+- ``graphs``: one event per forward / backward program run, enclosing its instructions.
+
+``span(lane, name, **args)`` records any other piece of work, from any thread; work on a
+lane from a second thread gets its own track (``"host optimizer [worker-1]"``), so events
+on one track never overlap. With no trace active ``span`` and the executor's checks cost one
+global read.
+
+``evict`` (a device copy's release point) and ``host`` (host graphs that are not the
+optimizer) are lanes too.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+# The active recorder, or None. Read without a lock: a reference read is atomic, and a
+# recorder that ends while a span is open still accepts the event (it is simply not written).
+_ACTIVE: "TraceRecorder | None" = None
+_ACTIVE_LOCK = threading.Lock()
+
+_STREAM_THREAD = -1  # the "thread" of events timed on CUDA streams
+
+LANE_ORDER = ("graphs", "compute", "h2d enqueue", "h2d", "d2h enqueue", "d2h", "wait", "evict", "host optimizer",
+              "host")
+
+
+class TraceRecorder:
+    """Collects complete events; thread-safe."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+        self._events: list[dict] = []
+        self._tracks: dict[tuple[str, int], int] = {}  # (lane, thread ident) -> tid
+        self._track_names: dict[int, str] = {}
+        self._cuda_copies: list[tuple] = []  # (lane, name, args, start event, end event)
+        self._cuda_origin: tuple | None = None  # (reference CUDA event, its CPU time in ns)
+        self.t0_ns = time.perf_counter_ns()
+
+    # --- recording --------------------------------------------------------------------------
+    def _tid(self, lane: str, thread: int) -> int:
+        key = (lane, thread)
+        tid = self._tracks.get(key)
+        if tid is None:
+            # The main thread (and the CUDA copy streams) get the lane's own track; any other
+            # thread its own, so that events on one track never overlap.
+            main = thread in (threading.main_thread().ident, _STREAM_THREAD)
+            name = lane if main else f"{lane} [{threading.current_thread().name}]"
+            order = LANE_ORDER.index(lane) if lane in LANE_ORDER else len(LANE_ORDER)
+            tid = 1 + order * 1000 + sum(1 for k in self._tracks if k[0] == lane)
+            self._tracks[key] = tid
+            self._track_names[tid] = name
+        return tid
+
+    def add(self, lane: str, name: str, start_ns: int, end_ns: int, args: dict | None = None) -> None:
+        thread = threading.get_ident()
+        with self._lock:
+            tid = self._tid(lane, thread)
+            self._events.append({
+                "name": name, "ph": "X", "pid": 1, "tid": tid,
+                "ts": (start_ns - self.t0_ns) / 1e3, "dur": max(end_ns - start_ns, 0) / 1e3,
+                "args": args or {},
+            })
+
+    def add_cuda_copy(self, lane: str, name: str, args: dict, start_event, end_event) -> None:
+        """A copy on a CUDA stream between two timing events, resolved when the trace is written."""
+        with self._lock:
+            if self._cuda_origin is None:
+                import torch
+
+                origin = torch.cuda.Event(enable_timing=True)
+                origin.record()
+                origin.synchronize()
+                self._cuda_origin = (origin, time.perf_counter_ns())
+            self._cuda_copies.append((lane, name, args, start_event, end_event))
+
+    # --- writing ----------------------------------------------------------------------------
+    def _resolve_cuda_copies(self) -> None:
+        if not self._cuda_copies:
+            return
+        import torch
+
+        torch.cuda.synchronize()
+        origin, origin_ns = self._cuda_origin
+        for lane, name, args, start, end in self._cuda_copies:
+            # elapsed_time is in milliseconds between two recorded events.
+            start_ns = origin_ns + int(origin.elapsed_time(start) * 1e6)
+            end_ns = origin_ns + int(origin.elapsed_time(end) * 1e6)
+            self._events.append({
+                "name": name, "ph": "X", "pid": 1, "tid": self._tid(lane, _STREAM_THREAD),
+                "ts": (start_ns - self.t0_ns) / 1e3, "dur": max(end_ns - start_ns, 0) / 1e3, "args": args,
+            })
+        self._cuda_copies.clear()
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            self._resolve_cuda_copies()
+            meta = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "megatrain runtime"}}]
+            for tid, name in sorted(self._track_names.items()):
+                meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
+                meta.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid,
+                             "args": {"sort_index": tid}})
+            events = sorted(self._events, key=lambda e: (e["tid"], e["ts"]))
+            return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+    def write(self) -> None:
+        data = self.to_json()
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        with open(self.path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+
+
+def active() -> TraceRecorder | None:
+    """The recorder of the active trace, or None (the executor reads this once per run)."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def trace_runtime(path: str | os.PathLike) -> Iterator[TraceRecorder]:
+    """Record the runtime's lanes while the block runs; write Chrome trace JSON to ``path`` on exit.
+
+    Traces do not nest: starting one while another is active raises ``RuntimeError``.
+    """
+    global _ACTIVE
+    recorder = TraceRecorder(path)
+    with _ACTIVE_LOCK:
+        if _ACTIVE is not None:
+            raise RuntimeError(f"a runtime trace is already being recorded (to {_ACTIVE.path})")
+        _ACTIVE = recorder
+    try:
+        yield recorder
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE = None
+        recorder.write()
+
+
+class _NullSpan:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NULL_SPAN = _NullSpan()
+
+
+class _Span:
+    __slots__ = ("recorder", "lane", "name", "args", "start")
+
+    def __init__(self, recorder: TraceRecorder, lane: str, name: str, args: dict) -> None:
+        self.recorder, self.lane, self.name, self.args = recorder, lane, name, args
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter_ns()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.recorder.add(self.lane, self.name, self.start, time.perf_counter_ns(), self.args)
+
+
+def span(lane: str, name: str, **args: Any):
+    """A context manager recording ``name`` on ``lane`` while a trace is active (any thread).
+
+    ``args`` appear in the event's details (layer, bytes, ...). With no active trace it
+    returns a shared no-op context manager.
+    """
+    recorder = _ACTIVE
+    if recorder is None:
+        return _NULL_SPAN
+    return _Span(recorder, lane, name, args)
