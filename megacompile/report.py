@@ -28,6 +28,7 @@ class LayerRow:
 @dataclasses.dataclass
 class StepReport:
     device: str
+    precision: str
     lowering: str
     memory_budget: int | None
     policy: str
@@ -40,6 +41,14 @@ class StepReport:
     graphs: list[str]
     host_graphs: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # Host memory the training state holds between steps, counted from the tensors: fp32
+    # (master) weights, the gradients the backward hands to ``param.grad``, the optimizer's
+    # state for these parameters (after its first step). Bytes by kind, and per parameter.
+    host_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    host_bytes_per_param: float = 0.0
+    # Transient host copies the step makes on top (bf16: each parameter's bf16 cast until its
+    # load, the bf16 gradients until their fp32 cast): the most live at once, measured.
+    host_staging_peak_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,12 +56,16 @@ class StepReport:
     def __str__(self) -> str:
         lines = [
             f"megatrain step report ({self.device}, lowering={self.lowering}, policy={self.policy})",
+            f"  precision            {self.precision}",
             f"  memory budget        {format_bytes(self.memory_budget) if self.memory_budget else 'none'}",
             f"  planned peak device  {format_bytes(self.planned_peak_device_bytes)}",
             f"  measured peak device {format_bytes(self.measured_peak_device_bytes) if self.measured_peak_device_bytes is not None else 'not measured'}",
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
+            f"  host state           {self.host_bytes_per_param:.2f} B/param ("
+            + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.host_bytes.items())
+            + f"); staging peak {format_bytes(self.host_staging_peak_bytes)}",
             f"  graphs               {', '.join(self.graphs + self.host_graphs)}",
         ]
         header = f"  {'layer':<28}{'params':>12}{'h2d':>12}{'d2h':>12}{'saved act':>12}{'recomp':>8}{'fwd peak':>12}{'bwd peak':>12}"
@@ -80,7 +93,9 @@ class StepRecorder:
             device.synchronize()
             device.reset_stats()
             device.tracker.reset_peak()
-            self._current = {"compiled": compiled, "device": device, "host_graphs": [], "measured": True}
+            device.host_staging.reset_peak()
+            self._current = {"compiled": compiled, "device": device, "host_graphs": [], "measured": True,
+                             "optimizer": None}
             self._update()
 
     def graph_finished(self, compiled=None) -> None:
@@ -88,9 +103,14 @@ class StepRecorder:
             if self._current is not None:
                 self._update()
 
-    def host_graph_ran(self, label: str) -> None:
+    def host_graph_ran(self, label: str, optimizer=None) -> None:
         with self._lock:
-            if self._current is not None and label not in self._current["host_graphs"]:
+            if self._current is None:
+                return
+            if optimizer is not None and self._current["optimizer"] is None:
+                self._current["optimizer"] = optimizer
+                self._update()
+            if label not in self._current["host_graphs"]:
                 self._current["host_graphs"].append(label)
                 self._update()
 
@@ -99,7 +119,7 @@ class StepRecorder:
         compiled, device = cur["compiled"], cur["device"]
         device.synchronize()
         measured = device.tracker.peak_since_reset() if compiled.measures_peak else None
-        self._last = compiled.make_report(device, measured, list(cur["host_graphs"]))
+        self._last = compiled.make_report(device, measured, list(cur["host_graphs"]), cur["optimizer"])
 
     def last(self) -> StepReport | None:
         return self._last

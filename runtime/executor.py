@@ -27,7 +27,7 @@ from .device import StreamingDevice
 
 @dataclasses.dataclass
 class Instruction:
-    kind: str  # load | offload | wait | evict | op | segment
+    kind: str  # load | offload | wait | evict | op | host_op | segment | const
     out: list[int]
     args: Any  # slot-referencing args for op; input slots for memory ops / segments
     fn: Any = None
@@ -128,6 +128,14 @@ class StreamingProgram:
                     Instruction(kind, out, [slot_of(node.args[0])], name=node.name, layer=layer,
                                 fn=node.args[1] if len(node.args) > 1 else None)
                 )
+            elif has_info(node) and info(node).placement == "host":
+                # A host op (a host cast): runs on the host, never in a device segment; its
+                # result is host staging memory, not device memory.
+                flush()
+                self.instructions.append(
+                    Instruction("host_op", [slot_of(node)], (template(node.args), template(node.kwargs)),
+                                fn=node.target, name=node.name)
+                )
             else:
                 if self.lowering == "inductor" and not _is_trivial(node):
                     pending.append(node)
@@ -138,6 +146,17 @@ class StreamingProgram:
                                     fn=node.target, name=node.name)
                     )
         self.num_slots = len(slot)
+        # Transient host copies: a host op's result on its way to a load (a bf16 cast of a
+        # parameter) and an offloaded copy on its way to a host op (a bf16 gradient before
+        # its fp32 cast). A host op's result the graph returns (the fp32 gradient) is not.
+        def host_op(n: fx.Node) -> bool:
+            return n.op == "call_function" and not ops.is_memory_op(n) and has_info(n) and info(n).placement == "host"
+
+        self.staged_on_host = {
+            slot[n] for n in nodes
+            if (host_op(n) and any(u.target is ops.load for u in n.users))
+            or (n.target is ops.offload and any(host_op(u) for u in n.users))
+        }
         self._plan_frees(slot)
 
     def _segment(self, seg_nodes: list[fx.Node], slot_of, all_nodes: list[fx.Node]) -> Instruction:
@@ -168,7 +187,7 @@ class StreamingProgram:
         last_read: dict[int, int] = {}
 
         def reads(instr: Instruction) -> list[int]:
-            if instr.kind == "op":
+            if instr.kind in ("op", "host_op"):
                 found: list[int] = []
                 fx.node.map_aggregate(instr.args, lambda a: found.append(a.index) if isinstance(a, _Slot) else a)
                 return found
@@ -223,6 +242,12 @@ class StreamingProgram:
                 a = kw = None
                 if track:
                     device.track(env[instr.out[0]])
+            elif kind == "host_op":
+                a, kw = _resolve(instr.args, env)
+                env[instr.out[0]] = instr.fn(*a, **kw)
+                a = kw = None
+                if instr.out[0] in self.staged_on_host:
+                    device.host_staging.track(env[instr.out[0]])
             elif kind == "load":
                 env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer)
             elif kind == "wait":
@@ -231,6 +256,8 @@ class StreamingProgram:
                 device.evict(env[instr.args[0]])
             elif kind == "offload":
                 env[instr.out[0]] = device.offload(env[instr.args[0]], instr.fn, instr.layer)
+                if instr.out[0] in self.staged_on_host:
+                    device.host_staging.track(env[instr.out[0]])
             elif kind == "segment":
                 inputs = [env[s] for s in instr.args]
                 if instr.fn["compiled"] is None:
