@@ -251,3 +251,23 @@ def test_bf16_inductor_lowering_mlp():
     report = megacompile.last_report()
     assert report.lowering == "inductor" and report.precision == "bf16"
     assert report.host_staging_peak_bytes == sum(p.numel() for p in model.parameters()) * 2
+
+
+def test_bf16_cost_model_prices_bf16_bytes():
+    """The cost model reads the program's bf16 loads and offloads: its predicted bytes each
+    way are the bytes the step moved; it prices the host casts on the host lane; and the
+    host optimizer covers the real parameter count (fp32 masters, not bf16 bytes)."""
+    from megacompile.capture import COMPILED
+    from megacompile.cost_model import predict_record
+    from megacompile.hardware import get_profile
+
+    model, report = _one_step_report("bf16", memory_budget=40_000)
+    record = next(r for r in reversed(COMPILED) if r.backward is not None)
+    predicted = predict_record(record, get_profile("cpu-standin"))
+    assert predicted.h2d_bytes == report.h2d_bytes
+    assert predicted.d2h_bytes == report.d2h_bytes
+    assert predicted.optimizer_params == sum(p.numel() for p in model.parameters())
+    host_events = [e for e in predicted.events if e.lane == "host"]
+    casts = [n for gm in (record.forward, record.backward) for n in gm.graph.nodes
+             if n.op == "call_function" and n.meta["megatrain"].decision == "host_cast"]
+    assert casts and len(host_events) == len(casts)
