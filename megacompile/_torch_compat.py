@@ -189,3 +189,61 @@ def foreach_add_(tensors, scalar) -> None:
 def fused_adam_(decoupled: bool):
     """torch's fused CPU Adam / AdamW kernels (``torch._fused_adam_`` / ``_fused_adamw_``)."""
     return torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+
+# --- What may run between backward() and optimizer.step() (megacompile/overlap.py) ---------
+def is_dynamo_resume_function_name(name: str) -> bool:
+    """Dynamo continues a frame after a graph break in a generated function of this name."""
+    return name.startswith("__resume_at_")
+
+
+def optimizer_has_step_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Any step pre/post hook, on this optimizer or global (they could read gradients)."""
+    import torch.optim.optimizer as optim_module
+
+    return bool(
+        getattr(opt, "_optimizer_step_pre_hooks", None) or getattr(opt, "_optimizer_step_post_hooks", None)
+        or getattr(optim_module, "_global_optimizer_pre_hooks", None)
+        or getattr(optim_module, "_global_optimizer_post_hooks", None)
+    )
+
+
+def tensor_has_grad_hooks(t: torch.Tensor) -> bool:
+    """Hooks on a leaf's gradient (``register_hook``, ``register_post_accumulate_grad_hook``)."""
+    return bool(getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None))
+
+
+def step_is_stock(opt: torch.optim.Optimizer) -> bool:
+    """``opt.step`` is its class's step, possibly behind the LR scheduler's bookkeeping
+    wrapper (which sets ``opt._opt_called`` and calls the class's step, nothing else)."""
+    own = vars(opt).get("step")
+    if own is None:
+        return True
+    return bool(getattr(own, "_wrapped_by_lr_sched", False)) and getattr(own, "__wrapped__", None) is type(opt).step
+
+
+def dynamo_resume_code(fn):
+    """The code of a Dynamo resume function. For a frame with a closure Dynamo's global is a
+    factory that builds the function from its ``code`` cell; this returns that code."""
+    import types
+
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    closure = getattr(fn, "__closure__", None) or ()
+    if "code" in code.co_freevars and closure:
+        inner = closure[code.co_freevars.index("code")].cell_contents
+        if isinstance(inner, types.CodeType):
+            return inner
+    return code
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (bumped by every in-place op on it)."""
+    return t._version
+
+
+def is_invoke_subgraph(target) -> bool:
+    """A call of a ``torch.compiler.nested_compile_region`` body (``invoke_subgraph``)."""
+    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    return hop is not None and target is hop

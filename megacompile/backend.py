@@ -18,8 +18,10 @@ import torch
 import torch.fx as fx
 
 from . import _torch_compat as compat
+from . import eager_update_watch
 from .capture import COMPILED, CompiledGraph, TrainingCompiler, lower_with
 from .errors import PlacementError, UnsupportedGraph
+from .inline_regions import inline_nested_regions
 from .node_info import source_to_name
 from .options import Options, parse_options
 from .report import RECORDER
@@ -107,6 +109,7 @@ def _host_region(gm: fx.GraphModule, example_inputs: list, options: Options) -> 
     @torch.compiler.disable
     def run_on_host(*args):
         out = compiled(*args)
+        eager_update_watch.host_step_ran()
         RECORDER.host_graph_ran(label, optimizer)
         return out
 
@@ -131,6 +134,9 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     )
     if not needs_grad:
         return _host_region(gm, example_inputs, opts)
+    # Layers marked with torch.compiler.nested_compile_region: Dynamo traced each body once;
+    # the passes need every call's ops in place.
+    inline_nested_regions(gm)
     reason = _unsupported_reason(gm)
     if reason is not None:
         return _fallback(gm, example_inputs, opts, reason)

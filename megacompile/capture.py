@@ -83,6 +83,8 @@ class CompiledGraph:
         return self.options.device == "cuda" or self.options.lowering == "eager"
 
     def make_report(self, device, measured: int | None, host_graphs: list[str], optimizer=None) -> StepReport:
+        from . import overlap
+
         plan = self.plan
         layers: dict[str, LayerRow] = {}
 
@@ -131,6 +133,7 @@ class CompiledGraph:
             graphs=[self.label],
             host_graphs=host_graphs,
             notes=[plan.reason] if plan.reason else [],
+            optimizer=dataclasses.asdict(overlap.LAST) if overlap.LAST is not None else None,
         )
 
 
@@ -145,6 +148,14 @@ class TrainingCompiler:
         self.input_roles = input_roles
         self.lower = lowering_fn
         self.record = CompiledGraph(label=f"graph{next(_graph_counter)}", options=options)
+        from .overlap import ParamInputs
+
+        # The forward records the parameter tensors it ran with; the backward's gradient i
+        # belongs to forward input i.
+        self.param_inputs = ParamInputs([i for i, role in enumerate(input_roles) if role == "param"])
+        from .eager_update_watch import EagerUpdateWatch
+
+        self.eager_watch = EagerUpdateWatch()
         for index, (name, role, value) in enumerate(zip(input_names, input_roles, example_inputs)):
             if role == "param" and isinstance(value, torch.Tensor):
                 self.record.param_refs[index] = weakref.ref(value)
@@ -203,7 +214,7 @@ class TrainingCompiler:
         from megacompile.passes.resident_parameters import used_in_both_phases
 
         both_phases = [info(n).source for n in used_in_both_phases(joint)]
-        chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases)
+        chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases, joint=joint)
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = chosen.snapshots
         COMPILED.append(self.record)
@@ -213,11 +224,45 @@ class TrainingCompiler:
     # compiled frame; without ``disable`` Dynamo would trace our lowering code itself.
     @torch.compiler.disable
     def compile_forward(self, gm: fx.GraphModule, example_inputs) -> Any:
-        return self.lower(self._same_or_ours(gm, self.record.forward), start_step=True, record=self.record)
+        program = self.lower(self._same_or_ours(gm, self.record.forward), start_step=True, record=self.record)
+
+        def observe(args: list) -> None:
+            self.param_inputs.observe(args)
+            self.eager_watch.forward_starting(self.param_inputs.tensors())
+
+        program.observe_inputs = observe
+        return program
 
     @torch.compiler.disable
     def compile_backward(self, gm: fx.GraphModule, example_inputs) -> Any:
-        return self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record)
+        program = self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record)
+        program.make_lander = self._make_lander
+        finished = program.on_finish
+
+        def on_finish() -> None:
+            self.eager_watch.backward_finished(self.param_inputs.tensors())
+            if finished is not None:
+                finished()
+
+        program.on_finish = on_finish
+        return program
+
+    def _make_lander(self):
+        """Per backward call: a lander if the optimizer step can overlap it, else None."""
+        from . import overlap
+
+        if not self.options.overlap_optimizer:
+            overlap.record(overlap.OverlapStats(False, "overlap_optimizer=False"))
+            return None
+        params = self.param_inputs.tensors()
+        opt, reason = overlap.step_follows_backward(params)
+        if opt is None:
+            overlap.record(overlap.OverlapStats(False, reason))
+            return None
+        lander = overlap.GradientLander(opt, params, self.device, reason)
+        overlap.record(lander.stats)
+        RECORDER.optimizer_seen(opt)
+        return lander
 
     @torch.compiler.disable
     def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Any:

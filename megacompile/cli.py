@@ -313,6 +313,15 @@ def _plan_lines(record) -> list[str]:
                          f"at end {format_bytes(est.end_bytes)}")
     lines.append(f"  saved        {len(plan.saved_values)} value(s) for the backward; "
                  f"{len(plan.recomputed_ops)} op(s) recomputed")
+    if plan.value_policy:
+        counts: dict[str, int] = {}
+        for decision in plan.value_policy.values():
+            counts[decision] = counts.get(decision, 0) + 1
+        lines.append("  activations  decided one by one: " + ", ".join(f"{d} {n}" for d, n in sorted(counts.items()))
+                     + " (reasons in the program text: keep / offload / recompute: planner: ...)")
+    if plan.resident:
+        lines.append(f"  resident     {len(plan.resident)} parameter(s) kept on the device for the step: "
+                     + ", ".join(plan.resident))
     lines.append(f"  reason       {_plan_reason(plan, record.options)}")
     return lines
 

@@ -16,8 +16,10 @@ Fields
   traced example's sizes.
 - ``source``: for inputs, the user's name (``layers.3.mlp.up.weight``, ``x``).
 - ``created_by``: the pass that inserted the node (``capture`` for nodes from the trace).
-- ``decision`` / ``reason``: the plan's decision for this value and why (save / recompute /
-  stream / resident), shown by ``megacompile inspect``.
+- ``decision`` / ``reason``: the plan's decision for this value and why (save / offload /
+  recompute / stream / resident), shown by ``megacompile inspect``. Decisions the planner
+  made per saved activation or per parameter give its price in the reason (``planner:
+  offload frees 4.00 KiB ... for 1.37 us of copies``, ``small and read by both passes``).
 """
 from __future__ import annotations
 

@@ -80,6 +80,9 @@ class Options:
     hardware: str | None = None
     # Pass names to switch off, for bisecting (see megacompile.passes.PASS_ORDER).
     disable_passes: tuple[str, ...] = ()
+    # Update each layer's parameters on a host thread as its gradients land, while the
+    # backward goes on, where that is provably the same as eager (megacompile/overlap.py).
+    overlap_optimizer: bool = True
 
     @property
     def torch_device(self) -> torch.device:
@@ -152,6 +155,10 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         except ValueError as e:
             raise OptionsError(f"option hardware={raw['hardware']!r}: {e}") from None
         kw["hardware"] = raw["hardware"]
+    if "overlap_optimizer" in raw:
+        if not isinstance(raw["overlap_optimizer"], bool):
+            raise OptionsError(f"option overlap_optimizer={raw['overlap_optimizer']!r} must be True or False")
+        kw["overlap_optimizer"] = raw["overlap_optimizer"]
     if "disable_passes" in raw:
         names = raw["disable_passes"]
         if isinstance(names, str):

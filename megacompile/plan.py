@@ -35,8 +35,19 @@ class TrainingPlan:
     # Per-layer decision (keep | offload | recompute); layers not listed use default_policy.
     default_policy: str = "keep"
     layer_policy: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Per saved activation: joint node name -> keep | offload | recompute, with the reason the
+    # planner gives; overrides ``layer_policy`` for the values it names (every value that
+    # shares one storage gets the same decision).
+    value_policy: dict[str, str] = dataclasses.field(default_factory=dict)
+    value_reason: dict[str, str] = dataclasses.field(default_factory=dict)
     # Parameters (by name) loaded once per step and kept on the device through the backward.
     resident: list[str] = dataclasses.field(default_factory=list)
+    # Why each resident parameter is resident (parameter name -> reason).
+    resident_reason: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Prefetch depth per streamed parameter (parameter name -> layers ahead) and why; the
+    # others use ``options.prefetch_depth``.
+    prefetch: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefetch_reason: dict[str, str] = dataclasses.field(default_factory=dict)
     # The solver's price of each layer's chosen option (bytes freed, seconds added).
     layer_costs: dict[str, dict] = dataclasses.field(default_factory=dict)
     # The cost model's predicted step time of this plan (seconds), when the planner priced it.

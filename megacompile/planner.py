@@ -1,21 +1,28 @@
-"""The planner: one device budget, a keep / offload / recompute decision per layer.
+"""The planner: one device budget; keep / offload / recompute per layer or per saved
+activation, and which parameters stay resident.
 
 ``plan_training`` searches for the fastest plan that fits, using the real pipeline to check
 each candidate (``build`` partitions the joint graph under a plan, runs the passes and
 estimates the peak), so a chosen plan's predicted peak is the one the runtime will see:
 
-1. Keep everything. If it fits, that is the plan: no recompute, no activation offload.
-2. Otherwise price each layer's options from the keep plan and an all-recompute plan:
-   offloading a layer's saved activations frees their bytes and costs the copies both ways;
-   recomputing frees all but its boundary inputs and costs its forward again. A solver
-   (``options.solver``: exact or greedy, see ``solvers.py``) picks the cheapest set that frees
-   enough; if the built plan still overshoots (the peak is not a plain sum), the target grows
-   by the overshoot and the solver runs again.
-3. Fall back to the most aggressive plans (offload all, recompute all). If none fits,
-   ``BudgetError`` names the smallest peak any plan reached and the layer that sets it.
+1. Keep everything with every parameter both passes read resident. If it fits, that is the
+   plan: no recompute, no activation offload.
+2. Keep every activation with parameters streamed. If it fits, the smallest parameters both
+   passes read stay resident (``_partial_residency``: the longest smallest-first prefix that
+   fits), the rest stream.
+3. Otherwise build offload-all and recompute-all, then solver-chosen mixes (``options.solver``:
+   exact or greedy, see ``solvers.py``) for several memory targets, at two granularities:
+   per layer (the coarse fallback) and per saved activation (``saved_groups``: one item per
+   storage group, each option priced by the cost model and by the bytes it frees at the keep
+   plan's peaks). All are built and priced with the cost model's step time; a ladder along
+   which time falls and recompute never rises as the peak grows keeps the useful ones, and
+   the last rung within the budget wins. The candidates do not depend on the budget, so a
+   larger budget only moves up the ladder. If none fits, ``BudgetError`` names the smallest
+   peak any plan reached and the layer that sets it.
 
 Decisions and their reasons land in ``NodeInfo.decision`` / ``reason`` (shown by inspect);
-the per-layer choice and its price are in ``TrainingPlan.layer_policy`` / ``layer_costs``.
+the choices are in ``TrainingPlan.layer_policy`` / ``value_policy`` / ``resident`` and their
+prices in ``layer_costs`` / ``value_reason`` / ``resident_reason``.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .errors import BudgetError
+from . import ops
 from .node_info import has_info, info
 from .options import format_bytes
 from .plan import TrainingPlan
@@ -44,11 +52,22 @@ class Attempt:
 
 
 def _saved_device_bytes_by_layer(attempt: Attempt) -> dict[str, int]:
+    """Device bytes the forward hands to the backward, per layer, by storage: a saved view
+    counts its base's bytes (once, however many views of it are saved)."""
+    from .plan import storage_root
+
     out: dict[str, int] = {}
     saved = set(attempt.plan.saved_values)
+    memo: dict = {}
+    roots: set = set()
     for node in attempt.forward.graph.nodes:
-        if node.name in saved and has_info(node) and info(node).layer and info(node).role == "compute":
-            out[info(node).layer] = out.get(info(node).layer, 0) + info(node).nbytes_hint
+        if node.name in saved and has_info(node) and info(node).role == "compute":
+            root = storage_root(node, memo)
+            if root in roots or not has_info(root) or info(root).placement != "device" or root.target is ops.load:
+                continue
+            roots.add(root)
+            if info(root).layer:
+                out[info(root).layer] = out.get(info(root).layer, 0) + info(root).nbytes_hint
     return out
 
 
@@ -64,6 +83,232 @@ def _forward_seconds_by_layer(gm: fx.GraphModule, profile) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass
+class SavedGroup:
+    """Saved activations that share one device storage (a value and its saved views): one
+    decision for all of them, priced by the storage's bytes (views are not free to keep)."""
+
+    root: str
+    layer: str | None
+    members: list[str]
+    nbytes: int
+    options: list[Option]
+    notes: list[str]
+
+    def reason(self, j: int) -> str:
+        return self.notes[j]
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} us"
+
+
+def _freed_at_peak(keep: Attempt, groups: dict, prefetch_depth: int, floor: int) -> dict[str, tuple[int, int]]:
+    """Bytes each group frees at the keep plan's peaks, if offloaded and if recomputed.
+
+    Freeing a saved activation lowers the peak only where it would otherwise be live: an
+    offloaded one comes back ``prefetch_depth`` layers before the backward reads it, a
+    recomputed one is replayed just before, so neither helps a peak in the layers next to
+    its own. Checked at the peak of each graph (forward, backward) that exceeds ``floor``;
+    the smaller of the two counts.
+    """
+    from megacompile.passes.stream_parameters import _layer_runs
+
+    from .node_info import is_view_node
+
+    out = {root: [g.nbytes, g.nbytes] for root, g in groups.items()}
+    est = keep.plan.forward
+    if est is not None and est.peak_bytes > floor:
+        nodes = list(keep.forward.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        peak_at = next((i for i, n in enumerate(nodes) if n.name == est.peak_node), len(nodes))
+        by_name = {n.name: n for n in nodes}
+        for root, g in groups.items():
+            # Not saved, it dies after its last forward reader (views included).
+            last = 0
+            stack = [by_name[m] for m in g.members if m in by_name] + ([by_name[root]] if root in by_name else [])
+            while stack:
+                cur = stack.pop()
+                for u in cur.users:
+                    if u.op == "output" or u.target in (ops.offload, ops.evict, ops.wait):
+                        continue
+                    last = max(last, pos[u])
+                    if is_view_node(u):
+                        stack.append(u)
+            born = pos[by_name[root]] if root in by_name else 0
+            if last >= peak_at or born > peak_at:
+                out[root] = [0, 0]  # live at the forward's peak either way, or not yet born
+    est = keep.plan.backward
+    if est is not None and est.peak_bytes > floor:
+        nodes = list(keep.backward.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        peak_at = next((i for i, n in enumerate(nodes) if n.name == est.peak_node), len(nodes))
+        compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n)]
+        cpos = {n: i for i, n in enumerate(compute)}
+        runs = [start for _, start in _layer_runs(compute)]
+        by_name = {n.name: n for n in nodes if n.op == "placeholder"}
+        for root, g in groups.items():
+            readers, stack = [], [by_name[m] for m in g.members if m in by_name]
+            while stack:
+                cur = stack.pop()
+                for u in cur.users:
+                    if u in cpos:
+                        readers.append(u)
+                        if is_view_node(u):
+                            stack.append(u)
+            if not readers:
+                continue
+            first = min(readers, key=pos.__getitem__)
+            last = max(pos[u] for u in readers)
+            if last < peak_at:
+                out[root] = [0, 0]  # dead before the peak already
+                continue
+            run = max((k for k, start in enumerate(runs) if start <= cpos[first]), default=0)
+            reload_at = pos[compute[runs[max(0, run - prefetch_depth)]]] if runs else pos[first]
+            freed = out[root]
+            out[root] = [freed[0] if reload_at > peak_at else 0, freed[1] if pos[first] > peak_at else 0]
+    return {root: (v[0], v[1]) for root, v in out.items()}
+
+
+def saved_groups(keep: Attempt, joint: fx.GraphModule, profile, allow_recompute: bool,
+                 prefetch_depth: int = 1, floor: int = 0) -> list[SavedGroup]:
+    """The keep plan's saved device activations, grouped by storage, each with its options.
+
+    - keep: frees nothing, costs nothing;
+    - offload: frees the storage, costs its copies out and back (bytes of every saved view
+      each way) where the compute of its layer does not hide them (all of it when copies
+      are synchronous, as on the CPU stand-in);
+    - recompute: frees the storage less whatever the replay makes the forward save instead,
+      costs the cost-model time of the ops replayed from values that stay saved.
+    """
+    from megacompile.passes.recompute import SavedValueWalk
+
+    from .cost_model import annotate_costs, cost, is_cpu_standin, step_time
+    from .node_info import tensor_nbytes_hint
+    from .plan import storage_root
+
+    fw = keep.forward
+    annotate_costs(fw, profile)
+    seconds = {n.name: (cost(n).time_s if cost(n) else 0.0) for n in fw.graph.nodes if n.op == "call_function"}
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    memo: dict = {}
+    saved = set(keep.plan.saved_values)
+    groups: dict[str, SavedGroup] = {}
+    for node in fw.graph.nodes:
+        if node.name not in saved or node.op == "placeholder" or node.target is ops.load:
+            continue
+        if not has_info(node) or info(node).placement != "device":
+            continue
+        root = storage_root(node, memo)
+        if root.op == "placeholder" or root.target is ops.load or info(root).nbytes_hint <= 0:
+            continue
+        g = groups.setdefault(root.name, SavedGroup(root.name, info(root).layer, [], info(root).nbytes_hint, [], []))
+        g.members.append(node.name)
+
+    # How much of each layer's copies its compute hides (the keep plan's lanes).
+    exposure: dict[str | None, float] = {}
+    if not is_cpu_standin(profile):
+        timeline = step_time(keep.forward, keep.backward, profile, optimizer_param_bytes=0)
+        link = 1.0 / profile.d2h_bandwidth + 1.0 / profile.h2d_bandwidth
+        for g in groups.values():
+            exposure[g.layer] = exposure.get(g.layer, 0.0) + g.nbytes * link
+        for layer, need in list(exposure.items()):
+            row = timeline.per_layer.get(layer or "(glue)")
+            slack = max(0.0, row.compute_s - row.h2d_s - row.d2h_s) if row else 0.0
+            exposure[layer] = max(0.0, need - slack) / need if need > 0 else 1.0
+
+    at_peak = _freed_at_peak(keep, groups, prefetch_depth, floor)
+    walk = SavedValueWalk.of(joint)
+    joint_nodes = {n.name: n for n in joint.graph.nodes}
+    group_of_root = set(groups)
+    needed = set(walk.needed)
+    out = []
+    for g in groups.values():
+        link_bytes = sum(tensor_nbytes_hint(fw_nodes[m].meta.get("val")) for m in g.members)
+        copy_s = link_bytes / profile.d2h_bandwidth + link_bytes / profile.h2d_bandwidth
+        exposed = exposure.get(g.layer, 1.0)
+        offload_frees, recompute_frees = at_peak[g.root]
+        g.options = [Option("keep", 0, 0.0), Option("offload", offload_frees, copy_s * exposed)]
+        g.notes = ["", ""]
+        hidden = f", {1 - exposed:.0%} hidden behind compute" if exposed < 1.0 else ""
+        g.notes[1] = (f"planner: offload frees {format_bytes(g.nbytes)} ({format_bytes(offload_frees)} at the peak) "
+                      f"for {_us(copy_s)} of copies each way ({link_bytes} B){hidden}")
+        members = [joint_nodes[m] for m in g.members if m in joint_nodes]
+        if allow_recompute and len(members) == len(g.members):
+            stays, _, marks = walk.walk({}, "keep", {m: "recompute" for m in g.members}, start=members)
+            if not any(m in stays for m in members):
+                replayed = [n for n, (d, _) in marks.items() if d == "recompute"]
+                replay_s = sum(seconds.get(n.name, 0.0) for n in replayed)
+                extra_roots = set()
+                for n, (d, _) in stays.items():
+                    fn = fw_nodes.get(n.name)
+                    if fn is None or n.op == "placeholder" or n.target is ops.load or n in needed:
+                        continue
+                    r = storage_root(fn, memo)
+                    if r.name not in group_of_root:
+                        extra_roots.add(r)
+                extra = sum(info(r).nbytes_hint for r in extra_roots)
+                if g.nbytes - extra > 0:
+                    kernels = sum(1 for n in replayed if seconds.get(n.name, 0.0) > 0)
+                    frees = max(0, min(recompute_frees, g.nbytes - extra))
+                    g.options.append(Option("recompute", frees, replay_s))
+                    g.notes.append(f"planner: recompute frees {format_bytes(g.nbytes - extra)} "
+                                   f"({format_bytes(frees)} at the peak) for {_us(replay_s)} replaying {kernels} "
+                                   f"op(s) from saved values")
+        cheapest = min(g.options[1:], key=lambda o: (o.memory_saved == 0, o.time_cost))
+        g.notes[0] = (f"planner: kept on the device ({format_bytes(g.nbytes)}; cheapest alternative "
+                      f"{cheapest.name} at {_us(cheapest.time_cost)})")
+        out.append(g)
+    return out
+
+
+def _partial_residency(keep: Attempt, hot: list[str], budget: int | None, make, predict_seconds) -> Attempt:
+    """Keeping every activation fits, but not with every parameter both passes read resident:
+    keep the smallest of those resident (norms, biases, the head of a small vocabulary), as
+    many as fit. Smallest first, a prefix of one fixed order: a larger budget keeps a superset
+    resident, so step time and recompute never grow with the budget."""
+    sizes: dict[str, int] = {}
+    for node in keep.forward.graph.nodes:
+        if node.op == "placeholder" and has_info(node) and info(node).source in hot:
+            sizes[info(node).source] = info(node).nbytes_hint
+    order = sorted((p for p in hot if p in sizes), key=lambda p: (sizes[p], p))
+    if not order:
+        return keep
+    slack = budget - keep.peak
+    # Each resident parameter adds at most its bytes at any point of the step: this prefix fits.
+    lo = 0
+    while lo < len(order) and sum(sizes[p] for p in order[: lo + 1]) <= slack:
+        lo += 1
+    hi = len(order) - 1  # all of them (the first rung) did not fit
+
+    def attempt(k: int) -> Attempt:
+        chosen = order[:k]
+        reasons = {p: (f"small and read by both passes ({format_bytes(sizes[p])}): one load per step instead "
+                       f"of two; {k} of {len(order)} such parameters fit the budget, smallest first")
+                   for p in chosen}
+        return make("keep", name=f"keep (parameters resident: {k} of {len(order)})", resident=chosen,
+                    resident_reason=reasons)
+
+    best = attempt(lo) if lo else None
+    if best is not None and best.peak > budget:
+        best, lo = None, 0
+    # The estimate is an upper bound; larger prefixes may fit too (their peak grows with k).
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        a = attempt(mid)
+        if a.peak <= budget:
+            best, lo = a, mid
+        else:
+            hi = mid - 1
+    if best is None:
+        return keep
+    best.plan.predicted_seconds = predict_seconds(best)
+    best.plan.reason = (f"everything fits with activations kept but not with all {len(order)} parameters read by "
+                        f"both passes resident; the {lo} smallest stay resident (one load each per step instead "
+                        f"of two), the rest stream")
+    return best
+
+
 def plan_training(
     build: Callable[[TrainingPlan], Attempt],
     layers: list[str],
@@ -71,15 +316,56 @@ def plan_training(
     profile,
     predict_seconds: Callable[[Attempt], float],
     resident_candidates: list[str] | None = None,
+    joint: fx.GraphModule | None = None,
 ) -> Attempt:
     budget = options.memory_budget
     allow_recompute = options.recompute != "never"
 
     def make(default: str, per_layer: dict[str, str] | None = None, name: str = "",
-             resident: list[str] | None = None) -> Attempt:
+             resident: list[str] | None = None, per_value: dict[str, str] | None = None,
+             value_reason: dict[str, str] | None = None, resident_reason: dict[str, str] | None = None,
+             prefetch: dict[str, int] | None = None, prefetch_reason: dict[str, str] | None = None) -> Attempt:
         plan = TrainingPlan(policy=name or default, budget=budget, default_policy=default,
-                            layer_policy=dict(per_layer or {}), resident=list(resident or []))
+                            layer_policy=dict(per_layer or {}), resident=list(resident or []),
+                            value_policy=dict(per_value or {}), value_reason=dict(value_reason or {}),
+                            resident_reason=dict(resident_reason or {}),
+                            prefetch=dict(prefetch or {}), prefetch_reason=dict(prefetch_reason or {}))
         return build(plan)
+
+    def deeper_prefetch(a: Attempt) -> Attempt | None:
+        """``a`` with every streamed value whose load stalls the compute lane (by the cost
+        model's lane simulation) prefetched one layer further ahead, or None if none stalls."""
+        stalls = _load_stalls(a, profile, options.precision)
+        if not stalls:
+            return None
+        p = a.plan
+        prefetch, reasons = dict(p.prefetch), dict(p.prefetch_reason)
+        for source, stall in stalls.items():
+            depth = p.prefetch.get(source, options.prefetch_depth)
+            if depth >= _MAX_PREFETCH:
+                continue
+            prefetch[source] = depth + 1
+            reasons[source] = (f"prefetched {depth + 1} layers ahead: at depth {depth} the compute lane would wait "
+                               f"{_us(stall)} for this load (cost model)")
+        if prefetch == p.prefetch:
+            return None
+        deeper = make(p.default_policy, p.layer_policy, f"{p.policy}, deeper prefetch for {len(stalls)} value(s)",
+                      p.resident, p.value_policy, p.value_reason, p.resident_reason, prefetch, reasons)
+        deeper.plan.layer_costs = dict(p.layer_costs)
+        return deeper
+
+    def with_tuned_prefetch(a: Attempt) -> Attempt:
+        """The faster of ``a`` and ``a`` with deeper prefetch, if that fits the budget."""
+        deeper = deeper_prefetch(a)
+        if deeper is None or not fits(deeper):
+            return a
+        if a.plan.predicted_seconds is None:
+            a.plan.predicted_seconds = predict_seconds(a)
+        deeper.plan.predicted_seconds = predict_seconds(deeper)
+        if deeper.plan.predicted_seconds >= a.plan.predicted_seconds:
+            return a
+        deeper.plan.reason = a.plan.reason
+        return deeper
 
     def fits(a: Attempt) -> bool:
         return budget is None or a.peak <= budget
@@ -100,7 +386,9 @@ def plan_training(
             return roomy
     keep = make("keep")
     if fits(keep):
-        return keep
+        if resident_candidates and not {"resident_parameters", "stream_parameters"} & set(options.disable_passes):
+            return with_tuned_prefetch(_partial_residency(keep, resident_candidates, budget, make, predict_seconds))
+        return with_tuned_prefetch(keep)
 
     # The candidate ladder: built plans from least to most aggressive. Each is built for
     # real, so its peak is the one the runtime will see, and priced by the cost model.
@@ -118,15 +406,27 @@ def plan_training(
     if recompute_all is not None:
         boundary_bytes = _saved_device_bytes_by_layer(recompute_all)
         fwd_seconds = _forward_seconds_by_layer(keep.forward, profile)
+    # Per saved activation (storage group), priced one by one; also tells what a whole layer
+    # frees at the peak.
+    groups = saved_groups(keep, joint, profile, allow_recompute, options.prefetch_depth, floor) if joint else []
+    at_peak: dict[str, list[int]] = {}
+    for g in groups:
+        row = at_peak.setdefault(g.layer, [0, 0])
+        row[0] += g.options[1].memory_saved
+        row[1] += g.options[2].memory_saved if len(g.options) > 2 else 0
     items: list[list[Option]] = []
     for layer in layers:
         k = keep_bytes.get(layer, 0)
-        opts = [Option("keep", 0, 0.0), Option("offload", k, k * link)]
+        off, rec = max(0, k), max(0, k - boundary_bytes.get(layer, 0)) if recompute_all is not None else 0
+        if joint is not None:
+            off, rec = min(off, at_peak.get(layer, [0, 0])[0]), min(rec, at_peak.get(layer, [0, 0])[1])
+        opts = [Option("keep", 0, 0.0), Option("offload", off, k * link)]
         if recompute_all is not None:
-            opts.append(Option("recompute", max(0, k - boundary_bytes.get(layer, 0)), fwd_seconds.get(layer, 0.0)))
+            opts.append(Option("recompute", rec, fwd_seconds.get(layer, 0.0)))
         items.append(opts)
     solver = SOLVERS[options.solver]
     seen: set[tuple[str, ...]] = set()
+    # Coarse: one decision per layer (the fallback the finer plans must beat on the ladder).
     for fraction in (0.2, 0.4, 0.6, 0.8, 1.0):
         picks = solver(items, int((keep.peak - floor) * fraction) + 1)
         if picks is None or tuple(picks) in seen:
@@ -137,6 +437,32 @@ def plan_training(
         a = make("keep", per_layer, name="per-layer (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")")
         a.plan.layer_costs = {layer: dataclasses.asdict(items[i][j]) for i, (layer, j) in enumerate(zip(layers, picks))}
         candidates.append(a)
+    # Fine: one decision per saved activation (per storage group), priced one by one.
+    if groups:
+        value_items = [g.options for g in groups]
+        most = sum(max(o.memory_saved for o in opts) for opts in value_items)
+        targets = [int((keep.peak - floor) * f) + 1 for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)]
+        seen_values: set[tuple[int, ...]] = set()
+        for required in targets + [most]:
+            picks = solver(value_items, min(required, most))
+            if picks is None or tuple(picks) in seen_values or not any(picks):
+                continue
+            seen_values.add(tuple(picks))
+            per_value, reasons = {}, {}
+            for g, j in zip(groups, picks):
+                for member in g.members:
+                    per_value[member] = g.options[j].name
+                    reasons[member] = g.reason(j)
+            counts = {p: sum(1 for g, j in zip(groups, picks) if g.options[j].name == p)
+                      for p in ("keep", "offload", "recompute")}
+            a = make("keep", name="per-activation (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")",
+                     per_value=per_value, value_reason=reasons)
+            a.plan.layer_costs = {g.root: dataclasses.asdict(g.options[j]) for g, j in zip(groups, picks)}
+            candidates.append(a)
+
+    # Each candidate whose loads stall the compute lane also comes with deeper prefetch for
+    # those loads (more memory, less waiting): the ladder decides, like for everything else.
+    candidates += [d for d in map(deeper_prefetch, list(candidates)) if d is not None]
 
     # Keep a ladder along which, as the peak grows, predicted time strictly falls and the
     # recompute count never rises; a budget then takes the last rung that fits. A larger
@@ -160,6 +486,32 @@ def plan_training(
         f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver for per-layer choices)"
     )
     return chosen
+
+
+# A parameter is prefetched at most this many layers ahead (each layer deeper holds one more
+# layer's parameters on the device).
+_MAX_PREFETCH = 4
+
+
+def _load_stalls(attempt: Attempt, profile, precision: str) -> dict[str, float]:
+    """Streamed value (by source name) -> seconds the compute lane waits for its loads,
+    over the forward and the backward, by the cost model's lane simulation."""
+    from .cost_model import simulate
+
+    stalls: dict[str, float] = {}
+    for gm in (attempt.forward, attempt.backward):
+        if gm is None:
+            continue
+        waits = {n.name: n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.wait}
+        for event in simulate(gm, profile, precision).events:
+            wait = waits.get(event.name) if event.lane == "stall" else None
+            load = wait.args[0] if wait is not None else None
+            if load is None or load.target is not ops.load or load.args[0].op != "placeholder":
+                continue
+            source = info(load).source
+            if source:
+                stalls[source] = stalls.get(source, 0.0) + (event.end_s - event.start_s)
+    return stalls
 
 
 def _raise(attempts: list[Attempt], budget: int | None) -> None:

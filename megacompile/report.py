@@ -49,6 +49,10 @@ class StepReport:
     # Transient host copies the step makes on top (bf16: each parameter's bf16 cast until its
     # load, the bf16 gradients until their fp32 cast): the most live at once, measured.
     host_staging_peak_bytes: int = 0
+    # The host optimizer in this step's backward: megacompile.overlap.OverlapStats as a dict
+    # (overlapped, reason, updated_params, update_seconds, exposed_seconds,
+    # peak_pending_grad_bytes), or None before a backward ran.
+    optimizer: dict | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -68,6 +72,13 @@ class StepReport:
             + f"); staging peak {format_bytes(self.host_staging_peak_bytes)}",
             f"  graphs               {', '.join(self.graphs + self.host_graphs)}",
         ]
+        if self.optimizer is not None:
+            o = self.optimizer
+            lines.append(
+                f"  host optimizer       overlapped with the backward: {o['updated_params']} tensors updated as "
+                f"gradients landed, {o['exposed_seconds'] * 1e3:.1f} ms waited at the end" if o["overlapped"]
+                else f"  host optimizer       after the backward ({o['reason']})"
+            )
         header = f"  {'layer':<28}{'params':>12}{'h2d':>12}{'d2h':>12}{'saved act':>12}{'recomp':>8}{'fwd peak':>12}{'bwd peak':>12}"
         lines.append(header)
         for r in self.layers:
@@ -94,6 +105,9 @@ class StepRecorder:
             device.reset_stats()
             device.tracker.reset_peak()
             device.host_staging.reset_peak()
+            from . import overlap
+
+            overlap.LAST = None
             self._current = {"compiled": compiled, "device": device, "host_graphs": [], "measured": True,
                              "optimizer": None}
             self._update()
@@ -103,14 +117,17 @@ class StepRecorder:
             if self._current is not None:
                 self._update()
 
-    def host_graph_ran(self, label: str, optimizer=None) -> None:
+    def optimizer_seen(self, optimizer) -> None:
+        """The optimizer this step's parameters belong to (its state counts as host memory)."""
         with self._lock:
-            if self._current is None:
-                return
-            if optimizer is not None and self._current["optimizer"] is None:
+            if self._current is not None and optimizer is not None and self._current["optimizer"] is None:
                 self._current["optimizer"] = optimizer
                 self._update()
-            if label not in self._current["host_graphs"]:
+
+    def host_graph_ran(self, label: str, optimizer=None) -> None:
+        self.optimizer_seen(optimizer)
+        with self._lock:
+            if self._current is not None and label not in self._current["host_graphs"]:
                 self._current["host_graphs"].append(label)
                 self._update()
 

@@ -22,6 +22,7 @@ before its first use, so a layer is replayed right before its backward runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -95,89 +96,148 @@ def _mark(node: fx.Node, decision: str, reason: str) -> None:
     ni.decision, ni.reason = decision, reason
 
 
-def choose_saved(joint: fx.GraphModule, layer_policy: dict[str, str],
-                 default_policy: str = "keep") -> tuple[list[fx.Node], list[fx.Node]]:
-    """The values the forward saves, under a keep / recompute / offload policy per layer."""
-    fwd = forward_nodes(joint)
-    fwd_set = set(fwd)
-    in_backward = lambda n: n not in fwd_set and n.op != "output"  # noqa: E731
-    output = next(iter(joint.graph.find_nodes(op="output")))
+@dataclasses.dataclass
+class SavedValueWalk:
+    """What the forward must hand to the backward, before any policy is applied.
 
-    # Forward values the backward reads directly (or returns directly as a gradient).
-    needed: list[fx.Node] = []
-    for node in fwd:
-        if any(in_backward(u) for u in node.users):
-            needed.append(node)
-    # A gradient can be a forward value itself (rare, e.g. an identity); the backward needs it.
-    for out in list(output.args[0])[_num_forward_outputs(joint, fwd_set):]:
-        if isinstance(out, fx.Node) and out in fwd_set and out not in needed:
-            needed.append(out)
-    saved_sym: list[fx.Node] = [n for n in needed if compat.is_sym_node(n)]
-    needed = [n for n in needed if not compat.is_sym_node(n)]
+    ``needed``: forward values the backward reads directly (the candidates for saving);
+    ``saved_sym``: sizes it needs (dynamic shapes). Built once per joint graph and reused for
+    every candidate plan and every per-activation price.
+    """
 
-    view_memo: dict = {}
-    saved: dict[fx.Node, None] = {}
+    fwd: list[fx.Node]
+    fwd_set: set
+    needed: list[fx.Node]
+    saved_sym: list[fx.Node]
 
-    def policy_of(n: fx.Node) -> str:
-        return layer_policy.get(info(n).layer, default_policy)
+    @classmethod
+    def of(cls, joint: fx.GraphModule) -> "SavedValueWalk":
+        fwd = forward_nodes(joint)
+        fwd_set = set(fwd)
+        in_backward = lambda n: n not in fwd_set and n.op != "output"  # noqa: E731
+        output = next(iter(joint.graph.find_nodes(op="output")))
+        needed: list[fx.Node] = [n for n in fwd if any(in_backward(u) for u in n.users)]
+        # A gradient can be a forward value itself (rare, e.g. an identity); the backward needs it.
+        for out in list(output.args[0])[_num_forward_outputs(joint, fwd_set):]:
+            if isinstance(out, fx.Node) and out in fwd_set and out not in needed:
+                needed.append(out)
+        saved_sym = [n for n in needed if compat.is_sym_node(n)]
+        return cls(fwd, fwd_set, [n for n in needed if not compat.is_sym_node(n)], saved_sym)
 
-    def save(n: fx.Node, reason: str) -> None:
-        if n not in saved:
-            saved[n] = None
+    def walk(self, layer_policy: dict[str, str], default_policy: str = "keep",
+             value_policy: dict[str, str] | None = None, value_reason: dict[str, str] | None = None,
+             start: list[fx.Node] | None = None) -> tuple[dict, list[fx.Node], dict]:
+        """Decide, without touching the graph, which values are saved and which are replayed.
+
+        ``value_policy`` (node name -> keep | offload | recompute) overrides the layer policy
+        for the candidates it names (all members of one storage group get the same entry).
+        A recomputed value is replayed from its inputs: inputs that are saved anyway cost
+        nothing; inputs the backward does not read are replayed too, within their layer (a
+        value that crosses into another layer is saved instead: the chain stops there).
+        ``start``: walk only from these values (pricing one candidate); default: all needed.
+        Returns (saved: node -> (decision, reason), saved_sym, marks: node -> (decision, reason)).
+        """
+        value_policy = value_policy or {}
+        value_reason = value_reason or {}
+        fwd_set = self.fwd_set
+        candidates = set(self.needed)
+        saved_sym = list(self.saved_sym)
+        view_memo: dict = {}
+        saved: dict[fx.Node, tuple[str, str]] = {}
+        marks: dict[fx.Node, tuple[str, str]] = {}
+
+        def layer_policy_of(n: fx.Node) -> str:
+            return layer_policy.get(info(n).layer, default_policy)
+
+        def decision_of(n: fx.Node) -> str:
+            return value_policy.get(n.name) or layer_policy_of(n)
+
+        def save(n: fx.Node, reason: str) -> None:
+            if n in saved:
+                return
             if n.target is ops.load:
-                _mark(n, "resident", reason)
-            elif n.op != "placeholder" and policy_of(n) == "offload":
-                _mark(n, "offload", f"layer '{info(n).layer}' offloads its saved activations to the host")
+                entry = ("resident", reason)
+            elif n.op != "placeholder" and decision_of(n) == "offload":
+                entry = ("offload", value_reason.get(n.name)
+                         or f"layer '{info(n).layer}' offloads its saved activations to the host")
             else:
-                _mark(n, "save", reason)
+                entry = ("save", reason)
+            saved[n] = marks[n] = entry
 
-    def layer(n: fx.Node) -> str | None:
-        return info(n).layer
+        def replay(n: fx.Node, reason: str) -> None:
+            marks[n] = ("recompute", reason)
+            worklist.extend(i for i in n.all_input_nodes if i in fwd_set)
 
-    def crosses_layer(n: fx.Node) -> bool:
-        return any(u in fwd_set and u.op != "output" and layer(u) != layer(n) for u in n.users)
+        def replay_reason(n: fx.Node) -> str:
+            if layer_policy_of(n) == "recompute":
+                return "inside a layer: replayed from the layer's input"
+            return "not read by the backward: replayed for a recomputed value"
 
-    worklist = list(needed)
-    visited: set[fx.Node] = set()
-    while worklist:
-        n = worklist.pop()
-        if n in visited:
-            continue
-        visited.add(n)
-        if compat.is_sym_node(n):
-            # A size (dynamic shapes) a replayed op needs: saved as a SymInt, not a tensor.
-            if n not in saved_sym:
-                saved_sym.append(n)
-            continue
-        if n.target is ops.load:
-            save(n, "resident parameter: its device copy serves the backward too")
-            continue
-        roots = _host_view_roots(n, view_memo)
-        if roots is not None:
-            for r in roots:
-                save(r, "host tensor: the backward loads it again")
-            if n not in roots and not is_host_cast(n):
-                _mark(n, "recompute", "view of a host tensor, free to re-derive")
-            continue
-        producer = n.args[0] if n.target is operator.getitem else n
-        random = isinstance(producer, fx.Node) and _is_random(producer)
-        if isinstance(n.meta.get("val"), (tuple, list)):
-            if _is_random(n) or policy_of(n) != "recompute":
-                # Save a tuple op's outputs, never the tuple itself.
-                worklist.extend(u for u in n.users if u.target is operator.getitem and u in fwd_set)
-            else:
-                _mark(n, "recompute", "inside a layer: replayed from the layer's input")
-                worklist.extend(i for i in n.all_input_nodes if i in fwd_set)
-            continue
-        policy = policy_of(n)
-        if n.op == "placeholder" or random or policy != "recompute":
-            save(n, "random op: replay would differ" if random else f"layer policy {policy}")
-            continue
-        if crosses_layer(n) or not n.all_input_nodes:
-            save(n, "layer boundary: the backward replays the layer from it")
-            continue
-        _mark(n, "recompute", "inside a layer: replayed from the layer's input")
-        worklist.extend(i for i in n.all_input_nodes if i in fwd_set)
+        def crosses_layer(n: fx.Node) -> bool:
+            return any(u in fwd_set and u.op != "output" and info(u).layer != info(n).layer for u in n.users)
+
+        worklist = list(self.needed if start is None else start)
+        visited: set[fx.Node] = set()
+        while worklist:
+            n = worklist.pop()
+            if n in visited:
+                continue
+            visited.add(n)
+            if compat.is_sym_node(n):
+                # A size (dynamic shapes) a replayed op needs: saved as a SymInt, not a tensor.
+                if n not in saved_sym:
+                    saved_sym.append(n)
+                continue
+            if n.target is ops.load:
+                save(n, "resident parameter: its device copy serves the backward too")
+                continue
+            roots = _host_view_roots(n, view_memo)
+            if roots is not None:
+                for r in roots:
+                    save(r, "host tensor: the backward loads it again")
+                if n not in roots and not is_host_cast(n):
+                    marks[n] = ("recompute", "view of a host tensor, free to re-derive")
+                continue
+            producer = n.args[0] if n.target is operator.getitem else n
+            random = isinstance(producer, fx.Node) and _is_random(producer)
+            if isinstance(n.meta.get("val"), (tuple, list)):
+                if _is_random(n):
+                    # Save a tuple op's outputs, never the tuple itself.
+                    worklist.extend(u for u in n.users if u.target is operator.getitem and u in fwd_set)
+                else:
+                    # Reached only from a replayed output: replay the op.
+                    replay(n, replay_reason(n))
+                continue
+            if n.op == "placeholder" or random:
+                save(n, "random op: replay would differ" if random else "graph input")
+                continue
+            chosen = value_policy.get(n.name) if n in candidates else None
+            if chosen is not None:
+                if chosen != "recompute" or not n.all_input_nodes:
+                    save(n, value_reason.get(n.name) or f"planner: {chosen}")
+                else:
+                    replay(n, value_reason.get(n.name) or "planner: recompute")
+                continue
+            policy = layer_policy_of(n)
+            if policy != "recompute" and (n in candidates or crosses_layer(n)):
+                save(n, f"layer policy {policy}")
+                continue
+            if crosses_layer(n) or not n.all_input_nodes:
+                save(n, "layer boundary: the backward replays the layer from it")
+                continue
+            replay(n, replay_reason(n))
+        return saved, saved_sym, marks
+
+
+def choose_saved(joint: fx.GraphModule, layer_policy: dict[str, str], default_policy: str = "keep",
+                 value_policy: dict[str, str] | None = None,
+                 value_reason: dict[str, str] | None = None) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The values the forward saves, under a keep / recompute / offload policy per layer and,
+    where the planner decided per activation, per value; decisions recorded in NodeInfo."""
+    saved, saved_sym, marks = SavedValueWalk.of(joint).walk(layer_policy, default_policy, value_policy,
+                                                            value_reason)
+    for node, (decision, reason) in marks.items():
+        _mark(node, decision, reason)
     return list(saved), saved_sym
 
 
@@ -235,7 +295,8 @@ def _sink_recomputed(gm: fx.GraphModule) -> None:
 
 def run(gm: fx.GraphModule, ctx) -> None:
     if ctx.stage == "joint":
-        saved, saved_sym = choose_saved(gm, ctx.plan.layer_policy, ctx.plan.default_policy)
+        saved, saved_sym = choose_saved(gm, ctx.plan.layer_policy, ctx.plan.default_policy,
+                                        ctx.plan.value_policy, ctx.plan.value_reason)
         ctx.plan.saved_values = [n.name for n in saved]
         ctx.plan.saved_sym_nodes = [n.name for n in saved_sym]
     else:

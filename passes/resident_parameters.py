@@ -69,7 +69,9 @@ def run(gm: fx.GraphModule, ctx) -> None:
         load.meta["partitioner_tag"] = "is_forward"
         load.meta["megatrain"] = NodeInfo(
             layer=info(param).layer, role="memory", phase="forward", placement="device", source=source,
-            decision="resident", reason="kept on the device for the whole step: one load per step instead of two",
+            decision="resident",
+            reason=ctx.plan.resident_reason.get(
+                source, "kept on the device for the whole step: one load per step instead of two"),
         )
         set_nbytes(load.meta["megatrain"], param.meta.get("val"))
         for user in users:

@@ -4,7 +4,9 @@ For every host value a compute op reads (parameters, user inputs, incoming gradi
 the backward the parameters again) this pass inserts
 
     load  (host -> device copy, issued ``prefetch_depth`` layers before the first use, so the
-           copy of layer k+1 overlaps the compute of layer k: double buffering at depth 1)
+           copy of layer k+1 overlaps the compute of layer k: double buffering at depth 1;
+           the plan may set a deeper depth per value, ``plan.prefetch``, where the cost
+           model says its load would keep the compute lane waiting)
     wait  (right before the first use: the compute lane blocks until the copy has landed)
     evict (right after the last use: the device copy is dead and its slot is reused)
 
@@ -85,7 +87,6 @@ def run(gm: fx.GraphModule, ctx) -> None:
     _wait_for_resident_loads(gm, position)
     runs = _layer_runs(compute)
     run_starts = [start for _, start in runs]
-    depth = ctx.options.prefetch_depth
 
     def run_index(pos: int) -> int:
         # The run containing compute op ``pos`` (the last run starting at or before it).
@@ -106,6 +107,9 @@ def run(gm: fx.GraphModule, ctx) -> None:
         users = sorted((u for u in host.users if u in position), key=position.__getitem__)
         first, last = users[0], users[-1]
         name = identifier(info(host).source or host.name)
+        depth = ctx.plan.prefetch.get(info(host).source, ctx.options.prefetch_depth)
+        reason = ctx.plan.prefetch_reason.get(info(host).source) or (
+            f"prefetched {depth} layer(s) ahead" if depth else "loaded at first use")
         if run_starts:
             issue_at = compute[run_starts[max(0, run_index(position[first]) - depth)]]
             if position[issue_at] > position[first]:
@@ -123,7 +127,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         load.meta["megatrain"] = NodeInfo(
             layer=info(host).layer, role="memory", phase=info(first).phase, placement="device",
             source=info(host).source,
-            decision="stream", reason=f"prefetched {depth} layer(s) ahead" if depth else "loaded at first use",
+            decision="stream", reason=reason,
         )
         set_nbytes(load.meta["megatrain"], host.meta.get("val"))
         with graph.inserting_before(first):

@@ -66,6 +66,11 @@ class StreamingDevice:
     def evict(self, t: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def completion(self, host: torch.Tensor):
+        """For an offloaded tensor: a callable that blocks until its copy has landed (any
+        thread may call it), or None when it already has. Takes over the tensor's ``wait``."""
+        return None
+
     def track(self, value) -> None:
         """Account device-side tensors the compute produced (no-op where the allocator knows)."""
 
@@ -173,6 +178,10 @@ class CudaDevice(StreamingDevice):
 
     def evict(self, t):
         return None  # the allocator returns the slot once record_stream's streams are done
+
+    def completion(self, host):
+        event = self._events.pop(host, None)  # popped here, on the thread that recorded it
+        return None if event is None else event.synchronize
 
     def synchronize(self):
         torch.cuda.synchronize(self.torch_device)

@@ -76,6 +76,8 @@ class StreamingProgram:
         compile_segment: Callable[[fx.GraphModule, list], Callable] | None = None,
         on_start: Callable[[], None] | None = None,
         on_finish: Callable[[], None] | None = None,
+        observe_inputs: Callable[[list], None] | None = None,
+        make_lander: Callable[[], Any] | None = None,
     ) -> None:
         self.gm = gm
         self.device = device
@@ -83,6 +85,12 @@ class StreamingProgram:
         self.compile_segment = compile_segment
         self.on_start = on_start
         self.on_finish = on_finish
+        # Sees the inputs of each call before they are consumed (the forward records which
+        # parameter tensors it ran with, for the backward's overlapped optimizer updates).
+        self.observe_inputs = observe_inputs
+        # Called at the start of each call: returns a megacompile.overlap.GradientLander that
+        # takes over the returned gradients as they are offloaded, or None.
+        self.make_lander = make_lander
         # Set to a list to record (instruction, device bytes live after it): debugging aid
         # for comparing the measured curve with the plan's.
         self.memory_log: list | None = None
@@ -134,7 +142,7 @@ class StreamingProgram:
                 flush()
                 self.instructions.append(
                     Instruction("host_op", [slot_of(node)], (template(node.args), template(node.kwargs)),
-                                fn=node.target, name=node.name)
+                                fn=node.target, name=node.name, layer=info(node).layer)
                 )
             else:
                 if self.lowering == "inductor" and not _is_trivial(node):
@@ -157,6 +165,13 @@ class StreamingProgram:
             if (host_op(n) and any(u.target is ops.load for u in n.users))
             or (n.target is ops.offload and any(host_op(u) for u in n.users))
         }
+        # Slot -> position in the returned tuple, for values returned directly.
+        self.output_position: dict[int, int] = {}
+        if isinstance(self.output_template, (list, tuple)):
+            returned = [t.index for t in self.output_template if isinstance(t, _Slot)]
+            for position, t in enumerate(self.output_template):
+                if isinstance(t, _Slot) and returned.count(t.index) == 1:  # returned once
+                    self.output_position[t.index] = position
         self._plan_frees(slot)
 
     def _segment(self, seg_nodes: list[fx.Node], slot_of, all_nodes: list[fx.Node]) -> Instruction:
@@ -225,6 +240,20 @@ class StreamingProgram:
     def __call__(self, args: list) -> Any:
         if self.on_start is not None:
             self.on_start()
+        if self.observe_inputs is not None:
+            self.observe_inputs(args)
+        lander = self.make_lander() if self.make_lander is not None else None
+        try:
+            return self._run(args, lander)
+        finally:
+            if lander is not None:
+                # Also on an error: updates already submitted must finish before anyone
+                # can look at the parameters.
+                lander.finish()
+            if self.on_finish is not None:
+                self.on_finish()
+
+    def _run(self, args: list, lander) -> Any:
         env: list = [None] * self.num_slots
         for s, value in zip(self.input_slots, args):
             env[s] = value
@@ -244,20 +273,37 @@ class StreamingProgram:
                     device.track(env[instr.out[0]])
             elif kind == "host_op":
                 a, kw = _resolve(instr.args, env)
-                env[instr.out[0]] = instr.fn(*a, **kw)
+                result = instr.fn(*a, **kw)
                 a = kw = None
-                if instr.out[0] in self.staged_on_host:
-                    device.host_staging.track(env[instr.out[0]])
+                position = self.output_position.get(instr.out[0]) if lander is not None else None
+                if position is not None and lander.owns(position):
+                    # A gradient made on the host (bf16 -> fp32 cast of a landed copy): the
+                    # host optimizer takes it like an offloaded one; it is complete already.
+                    lander.take(position, result, instr.layer, None)
+                else:
+                    env[instr.out[0]] = result
+                    if instr.out[0] in self.staged_on_host:
+                        device.host_staging.track(result)
+                result = None
             elif kind == "load":
                 env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer)
             elif kind == "wait":
-                device.wait(env[instr.args[0]])
+                if env[instr.args[0]] is not None:  # None: a gradient the lander took over
+                    device.wait(env[instr.args[0]])
             elif kind == "evict":
                 device.evict(env[instr.args[0]])
             elif kind == "offload":
-                env[instr.out[0]] = device.offload(env[instr.args[0]], instr.fn, instr.layer)
-                if instr.out[0] in self.staged_on_host:
-                    device.host_staging.track(env[instr.out[0]])
+                host = device.offload(env[instr.args[0]], instr.fn, instr.layer)
+                position = self.output_position.get(instr.out[0]) if lander is not None else None
+                if position is not None and lander.owns(position):
+                    # The host optimizer consumes this gradient as soon as it lands; the
+                    # backward returns None for it (no host gradient buffer is kept).
+                    lander.take(position, host, instr.layer, device.completion(host))
+                else:
+                    env[instr.out[0]] = host
+                    if instr.out[0] in self.staged_on_host:
+                        device.host_staging.track(host)
+                host = None
             elif kind == "segment":
                 inputs = [env[s] for s in instr.args]
                 if instr.fn["compiled"] is None:
@@ -275,6 +321,4 @@ class StreamingProgram:
                 env[s] = None
         result = _resolve(self.output_template, env)
         env.clear()
-        if self.on_finish is not None:
-            self.on_finish()
         return result

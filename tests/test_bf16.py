@@ -313,3 +313,29 @@ def test_bf16_unmodified_hugging_face_models(name):
     report = megacompile.last_report()
     assert report.measured_peak_device_bytes <= budget
     assert report.host_bytes_per_param == pytest.approx(16.0, abs=0.01)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_report_host_bytes_when_the_optimizer_overlaps_the_backward(precision):
+    """The stock loop (backward, step, zero_grad) hands gradients to the overlapped host
+    optimizer; the report still counts its states, and in bf16 the lander gets the fp32
+    gradients the host casts make (parity with eager autocast holds)."""
+    budget, reports = run_bf16_parity("mlp", None, steps=2) if precision == "bf16" else (None, None)
+    if precision == "fp32":
+        ctor, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
+        torch.manual_seed(0)
+        model = ctor()
+        step, _ = make_training_step(model, loss_fn)
+        step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            step(*make_batch(gen))
+        report = megacompile.last_report()
+    else:
+        report = reports[-1]
+    assert report.optimizer is not None and report.optimizer["overlapped"], report.optimizer
+    assert report.optimizer["updated_params"] == 14  # every parameter of the MLP
+    numel = report.host_bytes["weights"] // 4
+    assert report.host_bytes["gradients"] == numel * 4
+    assert report.host_bytes["optimizer_states"] >= numel * 8
+    assert report.host_bytes_per_param == pytest.approx(16.0, abs=0.01)

@@ -4,8 +4,14 @@ Across the golden models and four budgets from generous down to the minimum:
 - the measured peak device bytes stay within the budget, and within 5% of the planned peak;
 - as the budget grows, the predicted extra time of the plan and the number of recomputed
   ops never increase;
-- with a budget that fits everything, the plan recomputes nothing and offloads nothing.
+- with a budget that fits everything, the plan recomputes nothing and offloads nothing;
+- the planner's finer decisions are really made (MLP): at the minimum budget one layer mixes
+  per-activation decisions (an offloaded value and a value recomputed from it), and between
+  keep-everything and keep-everything-with-parameters-resident only the smallest parameters
+  read by both passes stay resident while the rest stream; each decision carries its reason
+  in NodeInfo and in the program text `megacompile inspect` prints.
 """
+import collections
 import copy
 
 import pytest
@@ -39,6 +45,7 @@ def _run(name: str, budget: int | None):
     torch.testing.assert_close(step(x, y), eager_step(x, y), rtol=1e-5, atol=0)
     record = next(r for r in COMPILED if r.backward is not None)
     predicted = predict_record(record, get_profile("cpu-standin")).total_s
+    _run.record = record
     return megacompile.last_report(), record.plan, predicted
 
 
@@ -58,7 +65,10 @@ def test_predictions_hold_from_generous_to_minimum_budget(name):
     assert minimum < keep_peak
 
     budgets = [minimum + (keep_peak - minimum) * k // 3 for k in range(4)]  # minimum .. keep_peak
-    results = [_run(name, b) for b in budgets]
+    results, records = [], []
+    for b in budgets:
+        results.append(_run(name, b))
+        records.append(_run.record)
     for budget, (report, plan, _) in zip(budgets, results):
         measured, planned = report.measured_peak_device_bytes, report.planned_peak_device_bytes
         assert measured <= budget, f"budget {budget}: measured {measured}\n{report}"
@@ -71,6 +81,41 @@ def test_predictions_hold_from_generous_to_minimum_budget(name):
     assert times[-1] <= times[0]
     # The tightest budget really needed the planner.
     assert results[0][1].policy != "keep"
+    if name == "mlp":
+        _check_finer_decisions(records, generous_plan)
+
+
+def _check_finer_decisions(records, generous_plan):
+    from megacompile.node_info import info
+
+    tight = records[0]
+    assert tight.plan.policy.startswith("per-activation"), tight.plan.policy
+    by_layer = collections.defaultdict(dict)
+    for node in tight.forward.graph.nodes:
+        if node.name in tight.plan.value_policy:
+            by_layer[info(node).layer][node.name] = tight.plan.value_policy[node.name]
+            assert info(node).reason.startswith("planner: "), (node.name, info(node).reason)
+    mixed = [layer for layer, d in by_layer.items() if len(set(d.values())) >= 2]
+    assert mixed, dict(by_layer)
+    assert {"keep", "offload", "recompute"} <= set(tight.plan.value_policy.values())
+    # A recomputed value is replayed from what stays saved: in the backward it reads the
+    # reloaded (offloaded) value of its layer, not a replay of the whole layer.
+    replayed = [n for n in tight.backward.graph.nodes if n.op == "call_function" and info(n).phase == "recompute"
+                and n.name in tight.plan.value_policy]
+    assert replayed and all(tight.plan.value_policy[n.name] == "recompute" for n in replayed)
+    text = next(s.text for s in tight.snapshots if s.graph == "forward" and s.stage == "offload_gradients")
+    assert "offload: planner: offload frees" in text and "recompute: planner: recompute frees" in text
+
+    partial = records[2]
+    assert partial.plan.resident and not partial.plan.value_policy
+    assert len(partial.plan.resident) < len(generous_plan.resident)
+    assert set(partial.plan.resident) == set(partial.plan.resident_reason)
+    assert partial.plan.resident == ["head.weight"]  # the smallest one read by both passes
+    text = next(s.text for s in partial.snapshots if s.graph == "forward" and s.stage == "stream_parameters")
+    loads = [line for line in text.splitlines() if "megatrain.load(" in line]
+    resident = [line for line in loads if "resident: small and read by both passes" in line]
+    assert len(resident) == 1 and "'head.weight')" in resident[0], resident
+    assert any("'layers.0.0.weight')" in line and "stream: prefetched" in line for line in loads)
 
 
 def info_phase_is_view(op_name: str) -> bool:

@@ -26,6 +26,9 @@ TABLE = [
     # Greedy by ratio takes the cheap-per-byte big item; exact finds two small ones cheaper.
     ([[B, Option("r", 100, 10.0)], [B, Option("r", 30, 2.0)], [B, Option("r", 30, 2.0)]], 60, 4.0),
     ([[B, Option("r", 4, 4.0), Option("o", 8, 5.0)], [B, Option("r", 4, 1.0)], [B, Option("o", 6, 3.0)]], 12, 6.0),
+    # Per-activation items as the planner prices them: an offload that frees nothing at the
+    # peak (its value comes back before the peak) is never worth taking, however cheap.
+    ([[B, Option("o", 0, 0.1), Option("r", 8, 2.0)], [B, Option("o", 8, 0.5)], [B, Option("o", 0, 0.1)]], 16, 2.5),
 ]
 
 

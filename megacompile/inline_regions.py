@@ -1,0 +1,96 @@
+"""Inline ``torch.compiler.nested_compile_region`` calls before the streaming passes.
+
+A layer marked with ``nested_compile_region`` is traced by Dynamo once; every later call of
+it is an ``invoke_subgraph`` node over the one traced body, so Dynamo's time no longer grows
+with depth. The streaming passes need each layer's ops in the flat graph (a parameter is
+loaded before its layer and evicted after it; activations are saved per layer), so this
+module copies the body in at every call site before AOTAutograd sees the graph.
+
+What matters for attribution: the body's ops carry the module paths of the instance Dynamo
+traced (say ``layers.1``); a copy at the call site of ``layers.5`` gets its paths rewritten
+to ``layers.5`` so that the passes, the planner and ``inspect`` see the right layer.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from . import _torch_compat as compat
+
+
+def _call_site_path(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else None
+
+
+def _region_path(body: fx.GraphModule) -> str | None:
+    """The module path of the instance the body was traced from: the shortest path its ops
+    name (the region's own module; the submodules extend it)."""
+    paths = []
+    for n in body.graph.nodes:
+        for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+            paths.append(path)
+    return min(paths, key=len) if paths else None
+
+
+def _renamed_stack(stack: dict, old: str | None, new: str | None, outer: dict) -> dict:
+    if not old or not new or old == new:
+        return dict(stack)
+    renamed = dict(outer)  # the call site's enclosing modules first
+    for key, (path, cls) in stack.items():
+        if path == old or path.startswith(old + ".") or path.startswith(old + "["):
+            path = new + path[len(old):]
+        renamed[f"{key}@{new}"] = (path, cls)
+    return renamed
+
+
+def inline_nested_regions(gm: fx.GraphModule) -> int:
+    """Replaces every ``invoke_subgraph`` call in ``gm`` by a copy of its body (in place).
+
+    Returns how many calls were inlined.
+    """
+    graph = gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_function" and compat.is_invoke_subgraph(n.target)]
+    bodies = {call.args[0].target for call in calls}
+    for call in calls:
+        body_node = call.args[0]
+        body = getattr(gm, body_node.target)
+        operands = list(call.args[2:])
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(operands):
+            raise ValueError(f"invoke_subgraph '{call.name}': {len(operands)} operands for "
+                             f"{len(placeholders)} body inputs")
+        env: dict[fx.Node, fx.Node] = dict(zip(placeholders, operands))
+        old, new = _region_path(body), _call_site_path(call)
+        outer = {k: v for k, v in (call.meta.get("nn_module_stack") or {}).items() if v[0] != new}
+        outputs = None
+        with graph.inserting_before(call):
+            for n in body.graph.nodes:
+                if n.op == "placeholder":
+                    continue
+                if n.op == "output":
+                    outputs = fx.node.map_arg(n.args[0], lambda a: env[a])
+                    continue
+                copy = graph.node_copy(n, lambda a: env[a])
+                copy.meta = dict(n.meta)
+                if "nn_module_stack" in n.meta:
+                    copy.meta["nn_module_stack"] = _renamed_stack(n.meta["nn_module_stack"], old, new, outer)
+                env[n] = copy
+        results = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        for user in list(call.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                graph.erase_node(user)
+            else:
+                raise ValueError(f"invoke_subgraph '{call.name}' is used by '{user.name}' other than by indexing")
+        graph.erase_node(call)
+        if not body_node.users:
+            graph.erase_node(body_node)
+    if calls:
+        still_used = {n.target for n in graph.nodes if n.op == "get_attr"}
+        for name in bodies - still_used:
+            delattr(gm, name)
+        graph.lint()
+        gm.recompile()
+    return len(calls)

@@ -1,0 +1,453 @@
+"""Host optimizer updates overlapped with the backward.
+
+A layer's parameters are updated on a host worker thread as soon as that layer's gradients
+have landed on the host, while the device goes on with the backward of the layers before it.
+The update consumes the gradient: the backward hands ``None`` back to autograd for those
+parameters, so no host gradient buffer outlives its layer's update (parameters and the two
+Adam states: 12 bytes per parameter at fp32, plus the gradients of the layers in flight).
+
+When it is exact. Updating during ``loss.backward()`` is only equal to eager if nothing can
+tell the difference. ``step_follows_backward`` proves that from the caller's bytecode: the
+statements right after the ``backward()`` call must be ``opt.step()``, optionally a stock LR
+scheduler's ``step()``, then ``opt.zero_grad()`` (set_to_none), for a stock Adam / AdamW
+that the fused host kernel runs, with no optimizer step hooks and no gradient hooks on the
+parameters. Then the only code that runs between the overlapped updates and the point where
+eager would have cleared the gradients is ``opt.step()`` itself, which finds no gradients
+(they were consumed), skips every parameter, and leaves parameters and state exactly as the
+updates left them; whether that ``step()`` runs compiled or eagerly does not matter. When
+``zero_grad()`` has run, eager has ``p.grad is None`` too. Anything else (gradient clipping,
+a micro-batch that step() does not follow, a custom optimizer, ``zero_grad`` at the top of the loop,
+hooks, the first step before the optimizer has state) runs the synchronous path unchanged,
+and ``last_report().optimizer`` says why. With accumulation over micro-batches, the last
+micro-batch's backward (the one ``step()`` follows) overlaps: its update adds the gradient
+the earlier micro-batches accumulated, exactly as ``AccumulateGrad`` would.
+
+The caller's bytecode is either the user's own (a compiled model inside an eager loop) or,
+when the whole step is compiled, Dynamo's rewrite of it: after the graph break at
+``backward()`` that code calls a resume function holding the rest of the user's statements
+(``_torch_compat.is_dynamo_resume_function_name``). Either way the statements are read, never run.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import dis
+import functools
+import inspect
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from . import _torch_compat as compat
+
+# Instructions that only shuffle the value stack or mark positions: what Dynamo's rewritten
+# frame does between the ``backward()`` call and the call of its resume function.
+_STACK_ONLY = {
+    "BUILD_LIST", "BUILD_TUPLE", "BUILD_SLICE", "COPY", "SWAP", "LOAD_CONST", "BINARY_SUBSCR",
+    "STORE_SUBSCR", "DELETE_SUBSCR", "POP_TOP", "LIST_EXTEND", "LOAD_FAST", "STORE_FAST",
+    "DELETE_FAST", "PUSH_NULL", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR",
+}
+# Instructions with no effect on what a statement does.
+_IGNORED = {"CACHE", "NOP", "EXTENDED_ARG", "PRECALL", "PUSH_NULL", "RESUME"}
+_NAME_LOADS = {"LOAD_GLOBAL", "LOAD_FAST", "LOAD_DEREF", "LOAD_NAME", "LOAD_FAST_CHECK"}
+# Stock schedulers whose step() runs no user code (LambdaLR, CyclicLR's scale_fn and the
+# composite schedulers can).
+_STOCK_SCHEDULERS = (
+    "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR", "PolynomialLR",
+    "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "OneCycleLR",
+)
+
+
+@dataclasses.dataclass
+class _Instr:
+    op: str
+    arg: Any
+    offset: int
+
+
+@functools.lru_cache(maxsize=256)
+def _all_instructions(code) -> tuple[_Instr, ...]:
+    out = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in _IGNORED:
+            continue
+        op = "LOAD_ATTR" if ins.opname == "LOAD_METHOD" else ins.opname
+        # 3.11/3.12's KW_NAMES indexes the constants; dis does not resolve it.
+        arg = code.co_consts[ins.arg] if op == "KW_NAMES" else ins.argval
+        out.append(_Instr(op, arg, ins.offset))
+    return tuple(out)
+
+
+def _instructions(code, start: int) -> list[_Instr]:
+    return [i for i in _all_instructions(code) if i.offset >= start]
+
+
+def _after_call(code, lasti: int) -> list[_Instr]:
+    return [i for i in _instructions(code, lasti) if i.offset > lasti]
+
+
+class _Namespace:
+    """Resolves the names a continuation loads, without running any user code."""
+
+    def __init__(self, frame_locals: dict, frame_globals: dict) -> None:
+        self.locals = frame_locals
+        self.globals = frame_globals
+
+    def lookup(self, op: str, name: str) -> Any:
+        missing = object()
+        if op in ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK"):
+            value = self.locals.get(name, missing)
+        else:
+            value = self.locals.get(name, missing) if op == "LOAD_NAME" else missing
+            if value is missing:
+                value = self.globals.get(name, missing)
+            if value is missing:
+                builtins = self.globals.get("__builtins__", {})
+                value = (builtins if isinstance(builtins, dict) else vars(builtins)).get(name, missing)
+        if value is missing:
+            raise LookupError(name)
+        return value
+
+
+def _continuation(frame) -> tuple[list[_Instr], _Namespace] | str:
+    """The instructions that run after the ``backward()`` call in ``frame``, and their names.
+
+    A string is the reason they could not be read.
+    """
+    code, lasti = frame.f_code, frame.f_lasti
+    after = _after_call(code, lasti)
+    namespace = _Namespace(dict(frame.f_locals), frame.f_globals)
+    resume_at = next((k for k, i in enumerate(after)
+                      if i.op == "LOAD_GLOBAL" and compat.is_dynamo_resume_function_name(str(i.arg))), None)
+    if resume_at is None:
+        return after, namespace
+    # Dynamo's rewrite of a compiled step: only stack shuffling may precede its resume call.
+    if any(i.op not in _STACK_ONLY for i in after[:resume_at]):
+        return "the compiled frame does more than resume after backward()"
+    resume = frame.f_globals.get(after[resume_at].arg)
+    resume_code = compat.dynamo_resume_code(resume)
+    if resume_code is None:
+        return "Dynamo's resume function was not found"
+    body = _instructions(resume_code, 0)
+    # Its prologue restores the value stack (backward()'s result) and jumps to the user's
+    # next instruction.
+    for k, ins in enumerate(body):
+        if ins.op in ("JUMP_FORWARD", "JUMP_ABSOLUTE", "JUMP_BACKWARD"):
+            target = ins.arg
+            rest = [i for i in body if i.offset >= target]
+            # The resume function's locals are the rewritten frame's locals, by name.
+            return rest, _Namespace(dict(frame.f_locals), getattr(resume, "__globals__", frame.f_globals))
+        if ins.op not in ("LOAD_CONST", "STORE_FAST", "LOAD_FAST", "POP_TOP", "COPY_FREE_VARS", "MAKE_CELL"):
+            return f"unexpected instruction {ins.op} in Dynamo's resume prologue"
+    return "Dynamo's resume function has no jump to the user's code"
+
+
+def _call_on(instrs: list[_Instr], k: int, namespace: _Namespace, method: str):
+    """Matches ``<name>(.<attr>)*.<method>(...)`` at ``instrs[k]``.
+
+    Returns (receiver object, arguments as (positional consts, keyword names), index after
+    the call's POP_TOP), or None.
+    """
+    if k >= len(instrs) or instrs[k].op not in _NAME_LOADS:
+        return None
+    try:
+        obj = namespace.lookup(instrs[k].op, str(instrs[k].arg))
+    except LookupError:
+        return None
+    k += 1
+    attrs = []
+    while k < len(instrs) and instrs[k].op == "LOAD_ATTR":
+        attrs.append(str(instrs[k].arg))
+        k += 1
+    if not attrs or attrs[-1] != method:
+        return None
+    for attr in attrs[:-1]:
+        try:
+            value = inspect.getattr_static(obj, attr)
+        except AttributeError:
+            return None
+        if hasattr(type(value), "__get__"):
+            return None  # a property or other descriptor: reading it would run code
+        obj = value
+    consts, kw_names = [], ()
+    while k < len(instrs) and instrs[k].op == "LOAD_CONST":
+        consts.append(instrs[k].arg)
+        k += 1
+    if k < len(instrs) and instrs[k].op == "KW_NAMES":
+        kw_names = tuple(instrs[k].arg)
+        k += 1
+    if k < len(instrs) and instrs[k].op == "CALL_KW" and consts:
+        kw_names = tuple(consts.pop())
+    if k >= len(instrs) or instrs[k].op not in ("CALL", "CALL_KW") or instrs[k].arg != len(consts):
+        return None
+    k += 1
+    if k >= len(instrs) or instrs[k].op != "POP_TOP":
+        return None
+    return obj, (consts, kw_names), k + 1
+
+
+def _is_stock_scheduler(obj: Any, opt: torch.optim.Optimizer) -> bool:
+    cls = type(obj)
+    return (cls.__module__ == "torch.optim.lr_scheduler" and cls.__name__ in _STOCK_SCHEDULERS
+            and getattr(obj, "optimizer", None) is opt and "step" not in vars(obj))
+
+
+def _zero_grad_sets_none(args: tuple[list, tuple]) -> bool:
+    consts, kw_names = args
+    if not consts:
+        return True
+    if kw_names:
+        return kw_names == ("set_to_none",) and consts == [True]
+    return consts == [True]
+
+
+def read_step_pattern(frame) -> tuple[torch.optim.Optimizer | None, str]:
+    """(the optimizer whose step() and zero_grad() follow backward() in ``frame``, reason)."""
+    found = _continuation(frame)
+    if isinstance(found, str):
+        return None, found
+    instrs, namespace = found
+    if not instrs or instrs[0].op != "POP_TOP":
+        return None, "backward()'s caller does not go straight on to the next statement"
+    step = _call_on(instrs, 1, namespace, "step")
+    if step is None or not isinstance(step[0], torch.optim.Optimizer) or step[1] != ([], ()):
+        return None, "the statement after loss.backward() is not optimizer.step()"
+    opt, _, k = step
+    sched = _call_on(instrs, k, namespace, "step")
+    if sched is not None and _is_stock_scheduler(sched[0], opt) and sched[1] == ([], ()):
+        k = sched[2]
+    zero = _call_on(instrs, k, namespace, "zero_grad")
+    if zero is None or zero[0] is not opt or not _zero_grad_sets_none(zero[1]):
+        return None, ("optimizer.step() is not followed by optimizer.zero_grad() (set_to_none): the "
+                      "gradients stay visible after step(), so they must be kept")
+    return opt, "loss.backward(); optimizer.step(); optimizer.zero_grad() (set_to_none)"
+
+
+def _user_frame():
+    """The frame that called ``backward()``: the first one outside torch and megacompile."""
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in _internal_modules())
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    return frame
+
+
+def _internal_modules():
+    import megacompile
+    import megacompile.runtime
+
+    return (torch, megacompile, megacompile.runtime)
+
+
+def _optimizer_ready(opt: torch.optim.Optimizer, params: dict[int, torch.Tensor]) -> str | None:
+    from .host_optimizer import _supported
+    from .runtime.host_adam import host_adam_available
+
+    if not _supported(opt):
+        return f"{type(opt).__name__} is not run by the fused host kernel (stock Adam / AdamW only)"
+    if not host_adam_available():
+        return "the fused host Adam kernel is not available"
+    if not compat.step_is_stock(opt) or "zero_grad" in vars(opt):
+        return "the optimizer's step or zero_grad is overridden on the instance"
+    if compat.optimizer_has_step_hooks(opt):
+        return "optimizer step hooks are registered"
+    owned = {id(p) for g in opt.param_groups for p in g["params"]}
+    mine = [p for p in params.values() if id(p) in owned]
+    if any(compat.tensor_has_grad_hooks(p) for p in mine):
+        return "a parameter has gradient hooks"
+    for p in mine:
+        state = opt.state.get(p)
+        if not state or "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
+            return "the optimizer has no state yet (its first step runs synchronously)"
+    return None
+
+
+def step_follows_backward(params: dict[int, torch.Tensor]) -> tuple[torch.optim.Optimizer | None, str]:
+    """The optimizer to update ``params`` with while the backward runs, or (None, why not)."""
+    frame = _user_frame()
+    if frame is None:
+        return None, "backward() was not called from Python code"
+    try:
+        opt, reason = read_step_pattern(frame)
+    except Exception as e:  # unfamiliar bytecode must never break training: stay synchronous
+        return None, f"the code after backward() could not be read ({type(e).__name__}: {e})"
+    finally:
+        del frame
+    if opt is None:
+        return None, reason
+    why_not = _optimizer_ready(opt, params)
+    if why_not is not None:
+        return None, why_not
+    return opt, reason
+
+
+# --- the updates ----------------------------------------------------------------------------
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    # One worker: updates run in the order gradients land, each using all the kernel's
+    # OpenMP threads; the device lane runs on the caller's thread meanwhile.
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host-optimizer")
+        return _POOL
+
+
+@dataclasses.dataclass
+class OverlapStats:
+    """What the last backward did with the optimizer (``last_report().optimizer``)."""
+
+    overlapped: bool
+    reason: str
+    updated_params: int = 0
+    update_seconds: float = 0.0  # summed over the worker's updates
+    exposed_seconds: float = 0.0  # the backward's wait for updates still running at its end
+    peak_pending_grad_bytes: int = 0  # host gradient bytes held at once by the updates
+
+
+class GradientLander:
+    """Takes a backward's host gradients as they land and updates their parameters.
+
+    ``take`` is called on the backward's thread, in the order gradients are produced; the
+    gradients of one layer are batched into one fused update on the worker thread.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, params: dict[int, torch.Tensor], device, reason: str,
+                 span=None) -> None:
+        self.opt = opt
+        self.device = device
+        self.stats = OverlapStats(True, reason)
+        self.span = span
+        self._group_of = {}
+        for index, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                self._group_of[id(p)] = index
+        # Output position -> parameter, for the parameters this optimizer updates.
+        self.params = {pos: p for pos, p in params.items() if id(p) in self._group_of}
+        self._batch: list[tuple] = []
+        self._batch_layer: str | None = None
+        self._futures: list[concurrent.futures.Future] = []
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+
+    def owns(self, position: int) -> bool:
+        return position in self.params
+
+    def take(self, position: int, host_grad: torch.Tensor, layer: str | None, ready=None) -> None:
+        """``ready``: blocks until the gradient's copy to the host is complete (None: it is)."""
+        if self._batch and layer != self._batch_layer:
+            self._submit()
+        p = self.params[position]
+        # A gradient accumulated by earlier micro-batches: eager's AccumulateGrad would add
+        # this one to it; the worker does the same add once the copy has landed.
+        self._batch.append((p, host_grad, ready, p.grad))
+        self._batch_layer = layer
+        with self._lock:
+            self._pending_bytes += host_grad.numel() * host_grad.element_size()
+            self.stats.peak_pending_grad_bytes = max(self.stats.peak_pending_grad_bytes, self._pending_bytes)
+
+    def _submit(self) -> None:
+        batch, layer = self._batch, self._batch_layer
+        self._batch, self._batch_layer = [], None
+        # Hyperparameters are read now, on the caller's thread: nothing can change them
+        # before the step() this update stands for (that is what the bytecode check proved).
+        groups: dict[int, list] = {}
+        for p, g, ready, prior in batch:
+            groups.setdefault(self._group_of[id(p)], []).append((p, g, ready, prior))
+        work = []
+        for index, items in groups.items():
+            group = self.opt.param_groups[index]
+            beta1, beta2 = group["betas"]
+            hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]),
+                         decoupled=bool(group.get("decoupled_weight_decay", isinstance(self.opt, torch.optim.AdamW))),
+                         maximize=bool(group.get("maximize", False)))
+            work.append((items, hyper))
+        self._futures.append(_pool().submit(self._update, work, layer))
+
+    def _update(self, work, layer) -> None:
+        from .runtime.host_adam import fused_adam_step
+
+        start = time.perf_counter()
+        nbytes = 0
+        span = self.span("host optimizer", f"adam[{layer}]", layer=layer) if self.span else _NullSpan()
+        with span:
+            for items, hyper in work:
+                grads = []
+                for _, g, ready, prior in items:
+                    if ready is not None:
+                        ready()  # CUDA: the gradient's copy to the host has finished
+                    grads.append(g if prior is None else prior + g)
+                params = [item[0] for item in items]
+                states = [self.opt.state[p] for p in params]
+                with torch.no_grad():
+                    fused_adam_step(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                                    [s["step"] for s in states], **hyper)
+                nbytes += sum(g.numel() * g.element_size() for g in grads)
+        with self._lock:
+            self._pending_bytes -= nbytes
+            self.stats.update_seconds += time.perf_counter() - start
+            self.stats.updated_params += sum(len(items) for items, _ in work)
+
+    def finish(self) -> None:
+        """Waits for every update (the backward returns only when parameters are current)."""
+        if self._batch:
+            self._submit()
+        start = time.perf_counter()
+        try:
+            for f in self._futures:
+                f.result()  # re-raises a failed update here, on the backward's thread
+        finally:
+            self.stats.exposed_seconds = time.perf_counter() - start
+        # Eager's AccumulateGrad would have left these for step(); the update used them.
+        for p in self.params.values():
+            if p.grad is not None:
+                p.grad = None
+
+
+class _NullSpan:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# The last backward's decision, for the step report.
+LAST: OverlapStats | None = None
+
+
+def record(stats: OverlapStats) -> None:
+    global LAST
+    LAST = stats
+
+
+class ParamInputs:
+    """The parameter tensors a compiled forward was called with, by input position (weakly)."""
+
+    def __init__(self, param_positions: list[int]) -> None:
+        self.positions = param_positions
+        self._refs: dict[int, weakref.ref] = {}
+
+    def observe(self, args: list) -> None:
+        for pos in self.positions:
+            if pos < len(args) and isinstance(args[pos], torch.Tensor):
+                ref = self._refs.get(pos)
+                if ref is None or ref() is not args[pos]:
+                    self._refs[pos] = weakref.ref(args[pos])
+
+    def tensors(self) -> dict[int, torch.Tensor]:
+        out = {}
+        for pos, ref in self._refs.items():
+            t = ref()
+            if t is not None:
+                out[pos] = t
+        return out
