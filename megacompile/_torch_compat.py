@@ -35,6 +35,30 @@ def dynamo_input_source_name(placeholder: fx.Node) -> str | None:
         return None
 
 
+def wrap_in_autocast(gm: fx.GraphModule, device_type: str, dtype: torch.dtype) -> None:
+    """Make the whole Dynamo graph run under ``torch.autocast(device_type, dtype)``.
+
+    Inserts the ``_enter_autocast`` / ``_exit_autocast`` nodes Dynamo itself records for a
+    ``with torch.autocast(...)`` block, around every op of the graph, so AOTAutograd traces
+    the forward with autocast's casts and the backward outside it, exactly as an eager step
+    under ``with torch.autocast(...): loss = ...`` followed by ``loss.backward()``.
+    """
+    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+
+    graph = gm.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    output = next(iter(graph.find_nodes(op="output")))
+    if placeholders:
+        with graph.inserting_after(placeholders[-1]):
+            enter = graph.call_function(_enter_autocast, (device_type, dtype, True, None))
+    else:
+        with graph.inserting_before(next(iter(graph.nodes))):
+            enter = graph.call_function(_enter_autocast, (device_type, dtype, True, None))
+    with graph.inserting_before(output):
+        graph.call_function(_exit_autocast, (enter,))
+    gm.recompile()
+
+
 # --- AOTAutograd ------------------------------------------------------------------------
 from torch._functorch import partitioners as _partitioners  # noqa: E402
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402,F401

@@ -93,6 +93,11 @@ def _host_region(gm: fx.GraphModule, example_inputs: list, options: Options) -> 
     from .host_optimizer import fused_step_for
 
     fused = fused_step_for(gm) if "optimizer" in label else None
+    optimizer = fused.optimizer if fused is not None else None
+    if optimizer is None and "optimizer" in label:
+        from .host_optimizer import optimizer_of_graph
+
+        optimizer = optimizer_of_graph(gm)
     if fused is not None:
         # Adam / AdamW: the fused, vectorized host kernel instead of the captured op chain.
         record.label = label = f"optimizer (host, fused {type(fused.optimizer).__name__})"
@@ -109,7 +114,7 @@ def _host_region(gm: fx.GraphModule, example_inputs: list, options: Options) -> 
         with trace.span(lane, label):
             out = compiled(*args)
         eager_update_watch.host_step_ran()
-        RECORDER.host_graph_ran(label)
+        RECORDER.host_graph_ran(label, optimizer)
         return out
 
     return run_on_host
@@ -142,6 +147,10 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     from megacompile.runtime.device import get_device
 
     device = get_device(opts.device)
+    if opts.autocast_dtype is not None:
+        # Traced on host tensors (the parameters live there), so autocast's CPU op lists
+        # decide which ops run in bf16, whatever device runs the program.
+        compat.wrap_in_autocast(gm, "cpu", opts.autocast_dtype)
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
     try:
         return compat.aot_module_simplified(

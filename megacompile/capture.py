@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -41,6 +42,39 @@ class CompiledGraph:
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     param_bytes_by_layer: dict = dataclasses.field(default_factory=dict)
+    # The graph's parameters (weakly: the record must not keep a model alive), by input index.
+    param_refs: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params())
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for p in (ref() for ref in self.param_refs.values()) if p is not None]
+
+    def host_bytes(self, optimizer) -> dict[str, int]:
+        """What this graph's parameters hold in host memory between steps, by kind, counted
+        from the tensors themselves: the (fp32 master) weights, the gradients the backward
+        hands to ``param.grad`` (their dtype and size, from the backward program), and the
+        optimizer's state tensors for these parameters."""
+        params = self.params()
+        grads = 0
+        if self.backward is not None:
+            output = next(iter(self.backward.graph.find_nodes(op="output")))
+            for index, out in enumerate(output.args[0]):
+                if index in self.param_refs and isinstance(out, fx.Node):
+                    grads += info(out).nbytes_hint
+        states = 0
+        if optimizer is not None:
+            for p in params:
+                for value in optimizer.state.get(p, {}).values():
+                    if isinstance(value, torch.Tensor):
+                        states += value.untyped_storage().nbytes()
+        return {
+            "weights": sum(p.untyped_storage().nbytes() for p in params),
+            "gradients": grads,
+            "optimizer_states": states,
+        }
 
     @property
     def measures_peak(self) -> bool:
@@ -48,8 +82,10 @@ class CompiledGraph:
         # hands every device-side tensor to the tracker.
         return self.options.device == "cuda" or self.options.lowering == "eager"
 
-    def make_report(self, stats, measured: int | None, host_graphs: list[str]) -> StepReport:
-        """The step's report from its transfer counters (``device.stats``) and measured peak."""
+    def make_report(self, stats, measured: int | None, host_graphs: list[str], optimizer=None,
+                    staging_peak: int = 0, overlap: dict | None = None) -> StepReport:
+        """The step's report from its transfer counters (``device.stats``), measured peaks, the
+        optimizer whose state counts as host memory, and the overlapped optimizer's stats."""
         plan = self.plan
         layers: dict[str, LayerRow] = {}
 
@@ -78,8 +114,18 @@ class CompiledGraph:
             if est is not None:
                 for layer, peak in est.per_layer_peak.items():
                     setattr(row(layer), attr, peak)
+        host = self.host_bytes(optimizer)
+        if overlap is not None and overlap["overlapped"]:
+            # Updated as they landed: those gradients were consumed, not kept (the in-flight
+            # peak is ``optimizer["peak_pending_grad_bytes"]``).
+            host["gradients"] = max(0, host["gradients"] - overlap["consumed_grad_bytes"])
+        num_params = self.num_params
         return StepReport(
             device=self.options.device,
+            precision=self.options.precision,
+            host_bytes=host,
+            host_bytes_per_param=sum(host.values()) / num_params if num_params else 0.0,
+            host_staging_peak_bytes=staging_peak,
             lowering=self.options.lowering,
             memory_budget=self.options.memory_budget,
             policy=plan.policy,
@@ -92,6 +138,7 @@ class CompiledGraph:
             graphs=[self.label],
             host_graphs=host_graphs,
             notes=[plan.reason] if plan.reason else [],
+            optimizer=overlap,
         )
 
 
@@ -114,8 +161,9 @@ class TrainingCompiler:
         from .eager_update_watch import EagerUpdateWatch
 
         self.eager_watch = EagerUpdateWatch()
-        for name, role, value in zip(input_names, input_roles, example_inputs):
+        for index, (name, role, value) in enumerate(zip(input_names, input_roles, example_inputs)):
             if role == "param" and isinstance(value, torch.Tensor):
+                self.record.param_refs[index] = weakref.ref(value)
                 from .node_info import layer_of_module_path
 
                 layer = layer_of_module_path(name.rsplit(".", 1)[0]) if "." in name else None
@@ -158,7 +206,9 @@ class TrainingCompiler:
             if layer and layer not in layers:
                 layers.append(layer)
         profile = get_profile(self.options.hardware_profile())
-        param_bytes = sum(self.record.param_bytes_by_layer.values())
+        from .cost_model import optimizer_param_bytes
+
+        param_bytes = optimizer_param_bytes(self.record.num_params, self.options.precision)
 
         def predict_seconds(attempt: Attempt) -> float:
             from .cost_model import step_time
@@ -220,6 +270,7 @@ class TrainingCompiler:
 
         lander = overlap.GradientLander(opt, params, self.device, reason, span=trace.span)
         overlap.record(lander.stats)
+        RECORDER.optimizer_seen(opt)
         return lander
 
     @torch.compiler.disable

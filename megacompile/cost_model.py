@@ -68,7 +68,7 @@ class NodeCost:
     # HBM bytes read + written (compute ops); bytes copied over the link (load/offload).
     bytes_touched: int = 0
     time_s: float = 0.0
-    lane: str = "compute"  # compute | h2d | d2h
+    lane: str = "compute"  # compute | h2d | d2h | host (a host op, e.g. a host cast)
     profile: str = ""
     precision: str = "fp32"
 
@@ -262,6 +262,8 @@ def _lane(node: fx.Node) -> str:
         return "h2d"
     if node.target is ops.offload:
         return "d2h"
+    if has_info(node) and info(node).placement == "host":
+        return "host"  # a host op (a host cast): the issuing thread's time, at host memory bandwidth
     return "compute"
 
 
@@ -285,6 +287,8 @@ def annotate_costs(gm: fx.GraphModule, profile: HardwareProfile, precision: str 
             time_s = nbytes / profile.d2h_bandwidth
         elif node.target in (ops.wait, ops.evict) or (flops == 0 and nbytes == 0):
             time_s = 0.0
+        elif lane == "host":
+            flops, time_s = 0, nbytes / profile.host_memory_bandwidth
         else:
             time_s = max(flops / peak, nbytes / profile.hbm_bandwidth) + overhead
         node.meta[COST_KEY] = NodeCost(flops=flops, bytes_touched=nbytes, time_s=time_s, lane=lane,
@@ -293,7 +297,7 @@ def annotate_costs(gm: fx.GraphModule, profile: HardwareProfile, precision: str 
 
 # --- the lane simulation ----------------------------------------------------------------
 class TimelineEvent(NamedTuple):
-    lane: str  # compute | h2d | d2h | stall (compute lane waiting for a copy) | host_optimizer
+    lane: str  # compute | h2d | d2h | stall (compute lane waiting for a copy) | host | host_optimizer
     name: str
     start_s: float
     end_s: float
@@ -434,6 +438,12 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile, precision: str = "fp3
         begin = t_compute
         t_compute = begin + c.time_s
         ready[node] = t_compute
+        if c.lane == "host":
+            # The thread that issues the device work runs it: it delays what follows, but
+            # it is not device compute.
+            if c.time_s > 0:
+                tl.events.append(TimelineEvent("host", node.name, begin, t_compute))
+            continue
         if c.time_s > 0:
             tl.compute_s += c.time_s
             layer(node).compute_s += c.time_s
@@ -564,16 +574,23 @@ def step_time(forward_gm: fx.GraphModule, backward_gm: fx.GraphModule | None, pr
     )
 
 
+def optimizer_param_bytes(num_params: int, precision: str) -> int:
+    """``step_time``'s ``optimizer_param_bytes`` for ``num_params`` parameters: their bytes in
+    the precision's device dtype (the host keeps fp32 masters in both modes)."""
+    return int(num_params) * _PARAM_BYTES[precision]
+
+
 def predict_record(record, profile: HardwareProfile, *, tokens: int | None = None, **kw) -> StepTimePrediction:
-    """``step_time`` for a ``capture.CompiledGraph`` (its graphs, parameter bytes, precision)."""
+    """``step_time`` for a ``capture.CompiledGraph`` (its graphs, parameter count, precision)."""
+    precision = getattr(record.options, "precision", "fp32")
     return step_time(record.forward, record.backward, profile,
-                     optimizer_param_bytes=sum(record.param_bytes_by_layer.values()),
-                     precision=getattr(record.options, "precision", "fp32"), tokens=tokens, **kw)
+                     optimizer_param_bytes=optimizer_param_bytes(record.num_params, precision),
+                     precision=precision, tokens=tokens, **kw)
 
 
 def chrome_trace(events: list[TimelineEvent]) -> dict:
     """Events as a Chrome trace (chrome://tracing, Perfetto): one row per lane, microseconds."""
-    rows = {lane: i for i, lane in enumerate(("compute", "stall", "h2d", "d2h", "host_optimizer"))}
+    rows = {lane: i for i, lane in enumerate(("compute", "stall", "h2d", "d2h", "host", "host_optimizer"))}
     trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": lane}}
              for lane, tid in rows.items()]
     for e in events:

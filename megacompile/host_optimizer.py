@@ -46,20 +46,23 @@ def _supported(opt: torch.optim.Optimizer) -> bool:
     return True
 
 
-def fused_step_for(gm: fx.GraphModule) -> Callable[..., Any] | None:
-    """A fused replacement for a captured Adam / AdamW step graph, or None to keep the graph."""
-    output = next(iter(gm.graph.find_nodes(op="output")))
-    if output.args[0] not in ((), [], None):
-        return None
+def optimizer_of_graph(gm: fx.GraphModule) -> torch.optim.Optimizer | None:
+    """The live optimizer whose parameters or state a captured host graph holds, if one."""
     attrs = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = getattr(gm, node.target, None)
             if isinstance(value, torch.Tensor):
                 attrs[id(value)] = value
-    if not attrs:
+    return _optimizer_of(attrs) if attrs else None
+
+
+def fused_step_for(gm: fx.GraphModule) -> Callable[..., Any] | None:
+    """A fused replacement for a captured Adam / AdamW step graph, or None to keep the graph."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    if output.args[0] not in ((), [], None):
         return None
-    opt = _optimizer_of(attrs)
+    opt = optimizer_of_graph(gm)
     if opt is None or not _supported(opt):
         return None
     from megacompile.runtime.host_adam import fused_adam_step, host_adam_available

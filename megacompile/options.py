@@ -15,7 +15,7 @@ import torch
 from .errors import OptionsError
 
 DEVICES = ("cuda", "cpu")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16")
 LOWERINGS = ("inductor", "eager")
 RECOMPUTE_POLICIES = ("auto", "always", "never")
 SOLVER_NAMES = ("exact", "greedy")
@@ -63,6 +63,9 @@ def format_bytes(n: int | float | None) -> str:
 class Options:
     device: str = "cuda"
     memory_budget: int | None = None  # bytes; None: the whole device
+    # "fp32": fp32 weights, gradients, optimizer states and compute. "bf16": compute under
+    # torch.autocast(bfloat16); weights cross to the device in bf16 and gradients come back in
+    # bf16, while fp32 master weights, fp32 gradients and fp32 optimizer states stay on the host.
     precision: str = "fp32"
     lowering: str = "inductor"
     # How many layers ahead parameters are loaded (1 = double buffering).
@@ -84,6 +87,11 @@ class Options:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the graphs are traced under ``torch.autocast`` with (None: no autocast)."""
+        return torch.bfloat16 if self.precision == "bf16" else None
 
     def hardware_profile(self) -> str:
         if self.hardware is not None:

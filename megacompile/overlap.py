@@ -311,6 +311,7 @@ class OverlapStats:
     update_seconds: float = 0.0  # summed over the worker's updates
     exposed_seconds: float = 0.0  # the backward's wait for updates still running at its end
     peak_pending_grad_bytes: int = 0  # host gradient bytes held at once by the updates
+    consumed_grad_bytes: int = 0  # gradients the updates consumed (never kept in param.grad)
 
 
 class GradientLander:
@@ -352,6 +353,7 @@ class GradientLander:
         self._batch_layer = layer
         with self._lock:
             self._pending_bytes += host_grad.numel() * host_grad.element_size()
+            self.stats.consumed_grad_bytes += host_grad.numel() * host_grad.element_size()
             self.stats.peak_pending_grad_bytes = max(self.stats.peak_pending_grad_bytes, self._pending_bytes)
 
     def _submit(self) -> None:

@@ -29,6 +29,7 @@ class LayerRow:
 @dataclasses.dataclass
 class StepReport:
     device: str
+    precision: str
     lowering: str
     memory_budget: int | None
     policy: str
@@ -41,6 +42,14 @@ class StepReport:
     graphs: list[str]
     host_graphs: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # Host memory the training state holds between steps, counted from the tensors: fp32
+    # (master) weights, the gradients the backward hands to ``param.grad``, the optimizer's
+    # state for these parameters (after its first step). Bytes by kind, and per parameter.
+    host_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    host_bytes_per_param: float = 0.0
+    # Transient host copies the step makes on top (bf16: each parameter's bf16 cast until its
+    # load, the bf16 gradients until their fp32 cast): the most live at once, measured.
+    host_staging_peak_bytes: int = 0
     # The host optimizer in this step's backward: megacompile.overlap.OverlapStats as a dict
     # (overlapped, reason, updated_params, update_seconds, exposed_seconds,
     # peak_pending_grad_bytes), or None before a backward ran.
@@ -52,12 +61,16 @@ class StepReport:
     def __str__(self) -> str:
         lines = [
             f"megatrain step report ({self.device}, lowering={self.lowering}, policy={self.policy})",
+            f"  precision            {self.precision}",
             f"  memory budget        {format_bytes(self.memory_budget) if self.memory_budget else 'none'}",
             f"  planned peak device  {format_bytes(self.planned_peak_device_bytes)}",
             f"  measured peak device {format_bytes(self.measured_peak_device_bytes) if self.measured_peak_device_bytes is not None else 'not measured'}",
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
+            f"  host state           {self.host_bytes_per_param:.2f} B/param ("
+            + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.host_bytes.items())
+            + f"); staging peak {format_bytes(self.host_staging_peak_bytes)}",
             f"  graphs               {', '.join(self.graphs + self.host_graphs)}",
         ]
         if self.optimizer is not None:
@@ -93,10 +106,12 @@ class StepRecorder:
             device.synchronize()
             device.reset_stats()
             device.tracker.reset_peak()
+            device.host_staging.reset_peak()
             from . import overlap
 
             overlap.LAST = None
-            self._current = {"compiled": compiled, "device": device, "host_graphs": [], "measured": True}
+            self._current = {"compiled": compiled, "device": device, "host_graphs": [], "measured": True,
+                             "optimizer": None}
             self._update()
 
     def graph_finished(self, compiled=None) -> None:
@@ -104,7 +119,15 @@ class StepRecorder:
             if self._current is not None:
                 self._update()
 
-    def host_graph_ran(self, label: str) -> None:
+    def optimizer_seen(self, optimizer) -> None:
+        """The optimizer this step's parameters belong to (its state counts as host memory)."""
+        with self._lock:
+            if self._current is not None and optimizer is not None and self._current["optimizer"] is None:
+                self._current["optimizer"] = optimizer
+                self._update()
+
+    def host_graph_ran(self, label: str, optimizer=None) -> None:
+        self.optimizer_seen(optimizer)
         with self._lock:
             if self._current is not None and label not in self._current["host_graphs"]:
                 self._current["host_graphs"].append(label)
@@ -121,16 +144,17 @@ class StepRecorder:
         stats.h2d_by_layer, stats.d2h_by_layer = dict(stats.h2d_by_layer), dict(stats.d2h_by_layer)
         from . import overlap
 
-        optimizer = dataclasses.asdict(overlap.LAST) if overlap.LAST is not None else None
-        self._pending = (compiled, stats, measured, list(cur["host_graphs"]), optimizer)
+        overlapped = dataclasses.asdict(overlap.LAST) if overlap.LAST is not None else None
+        self._pending = dict(compiled=compiled, stats=stats, measured=measured, host_graphs=list(cur["host_graphs"]),
+                             optimizer=cur["optimizer"], staging_peak=device.host_staging.peak_since_reset(),
+                             overlap=overlapped)
         self._last = None
 
     def last(self) -> StepReport | None:
         with self._lock:
             if self._last is None and self._pending is not None:
-                compiled, stats, measured, host_graphs, optimizer = self._pending
-                self._last = compiled.make_report(stats, measured, host_graphs)
-                self._last.optimizer = optimizer
+                pending = dict(self._pending)
+                self._last = pending.pop("compiled").make_report(**pending)
             return self._last
 
 

@@ -22,9 +22,10 @@ import torch.fx as fx
 from megacompile.node_info import info
 from megacompile.printer import format_graph
 
-from . import annotate, invariants, offload_gradients, recompute, resident_parameters, stream_parameters
+from . import (annotate, host_casts, invariants, offload_gradients, recompute, resident_parameters,
+               stream_parameters)
 
-PASS_ORDER = (annotate, resident_parameters, recompute, stream_parameters, offload_gradients)
+PASS_ORDER = (annotate, host_casts, resident_parameters, recompute, stream_parameters, offload_gradients)
 
 
 def known_pass_names() -> list[str]:

@@ -8,6 +8,9 @@
    outputs, gradients) is host-resident.
 4. Forward: nothing device-resident crosses from forward to backward unless the plan saved
    it (``plan.saved_values``); a loaded parameter copy never crosses.
+5. Host ops (``host_casts``): only host casts run on the host; after ``offload_gradients``
+   they read host values only, an offloaded input only after its wait (the device reads a host cast's result only
+   through a load: invariant 2); a host cast never crosses from forward to backward.
 A violation raises ``InvariantViolation`` naming the pass that broke it.
 """
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch.fx as fx
 
 from megacompile import ops
 from megacompile.node_info import has_info, info
+
+from .host_casts import is_host_cast, is_host_op
 
 
 class InvariantViolation(AssertionError):
@@ -56,6 +61,8 @@ def check(gm: fx.GraphModule, ctx) -> None:
         for node in nodes:
             if node.op != "call_function":
                 continue
+            if is_host_op(node):
+                continue  # checked below: host ops read host values only
             if not ops.is_memory_op(node):
                 for inp in node.all_input_nodes:
                     if info(inp).placement == "host" and isinstance(inp.meta.get("val"), torch.Tensor):
@@ -79,6 +86,21 @@ def check(gm: fx.GraphModule, ctx) -> None:
                 if not uses:
                     _fail(ctx, f"{node.name} is loaded but never used")
 
+    for node in nodes:
+        if not is_host_op(node):
+            continue
+        if not is_host_cast(node):
+            _fail(ctx, f"{node.name} runs on the host but is not a host cast")
+        for inp in node.all_input_nodes:
+            # Before offload_gradients, a gradient's host cast still reads the device value
+            # that pass will offload.
+            if info(inp).placement != "host" and "offload_gradients" in ctx.ran:
+                _fail(ctx, f"host op {node.name} reads device value {inp.name}")
+            if inp.target is ops.offload:
+                waits = [u for u in inp.users if u.target is ops.wait]
+                if len(waits) != 1 or position[waits[0]] > position[node]:
+                    _fail(ctx, f"host op {node.name} reads {inp.name} before waiting for its offload")
+
     output = next(iter(gm.graph.find_nodes(op="output")))
     outs = list(output.args[0])
     user_outs = outs if ctx.stage != "forward" else outs[: ctx.num_user_outputs]
@@ -91,6 +113,8 @@ def check(gm: fx.GraphModule, ctx) -> None:
     if ctx.stage == "forward":
         planned = set(ctx.plan.saved_values)
         for value in outs[ctx.num_user_outputs:]:
+            if isinstance(value, fx.Node) and is_host_cast(value):
+                _fail(ctx, f"host cast {value.name} crosses from forward to backward (the backward re-derives it)")
             if not isinstance(value, fx.Node) or info(value).placement != "device":
                 continue
             if not isinstance(value.meta.get("val"), torch.Tensor):

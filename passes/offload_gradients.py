@@ -8,6 +8,9 @@ for just before the graph returns. AOTAutograd then accumulates the host gradien
 Forward / inference: the values returned to the user (the loss, outputs) are offloaded the
 same way. Values the forward saves for the backward stay on the device: that residency is
 what the plan decided (``plan.saved_values``).
+
+A returned value that is a host cast (``host_casts``: bf16 gradient -> fp32) is not offloaded
+itself: its narrow device input is, and the cast runs on the host after the waits.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import torch.fx as fx
 
 from megacompile import ops
 from megacompile.node_info import NodeInfo, identifier, info, set_nbytes
+
+from .host_casts import is_host_cast
 
 NAME = "offload_gradients"
 # Whether disable_passes may switch it off (the others are what later passes stand on).
@@ -43,16 +48,28 @@ def run(gm: fx.GraphModule, ctx) -> None:
     else:
         indices = list(range(len(outs)))
     offloaded: dict[fx.Node, fx.Node] = {}
+    host_casts: list[fx.Node] = []
     for index in indices:
         value = outs[index]
         if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
             continue
+        cast = None
+        if is_host_cast(value) and info(value.args[0]).placement == "device":
+            # The narrow input crosses; the cast runs on the host after the copy lands.
+            cast, value = value, value.args[0]
+            if cast not in host_casts:
+                host_casts.append(cast)
         if info(value).placement != "device":
+            continue
+        if cast is not None and value in offloaded:
+            cast.replace_input_with(value, offloaded[value])
             continue
         if value in offloaded:
             outs[index] = offloaded[value]
             continue
         label = _output_label(ctx, index) if index < ctx.num_user_outputs or ctx.stage != "forward" else f"act.{value.name}"
+        if cast is not None:
+            label += "." + str(value.meta["val"].dtype).replace("torch.", "")
         name = identifier(label)
         with graph.inserting_after(value):
             host = graph.create_node("call_function", ops.offload, (value, label), name=f"offload__{name}")
@@ -67,7 +84,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         set_nbytes(host.meta["megatrain"], value.meta["val"])
         # The device copy dies after its last use (the offload itself, unless the forward
         # also saves it for the backward).
-        users = [u for u in value.users if u is not output and u is not host]
+        users = [u for u in value.users if u is not output and u is not host and u is not cast]
         keeps_on_device = ctx.stage == "forward" and any(
             o is value and info(o).decision != "offload" for o in outs[ctx.num_user_outputs:]
         )
@@ -79,12 +96,18 @@ def run(gm: fx.GraphModule, ctx) -> None:
             evict.meta["megatrain"] = NodeInfo(layer=info(value).layer, role="memory", phase=info(value).phase,
                                                placement="device", source=label)
         offloaded[value] = host
-        outs[index] = host
+        if cast is not None:
+            cast.replace_input_with(value, host)
+        else:
+            outs[index] = host
     with graph.inserting_before(output):
         for host in offloaded.values():
             wait = graph.create_node("call_function", ops.wait, (host,), name=f"wait__{host.name}")
             wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role="memory", phase=info(host).phase,
                                               placement="host", source=info(host).source)
+    # Host casts read landed copies: they run after the waits, right before the return.
+    for cast in host_casts:
+        output.prepend(cast)
     output.args = (tuple(outs),) if isinstance(output.args[0], tuple) else (outs,)
 
 

@@ -11,8 +11,9 @@ The plan gives a policy per layer (``plan.layer_policy``):
   forward and stream_parameters loads them back before the backward needs them.
 - ``recompute``: save only the values that cross a layer boundary (each layer's inputs), so a
   layer's internals are replayed in backward from its input.
-In both, views of host inputs (``t(weight)``) are never saved: the backward re-derives them
-from the host tensor, so no parameter copy stays on the device from forward to backward.
+In both, views of host inputs (``t(weight)``) and host casts (``host_casts``: a parameter cast
+to bf16 on the host) are never saved: the backward re-derives them from the host tensor, so
+no parameter copy stays on the device (or on the host) from forward to backward.
 Random ops are always saved (replaying them would draw new numbers).
 
 Backward stage: the partitioner copies recomputed forward ops to the front of the backward
@@ -30,6 +31,8 @@ import torch.fx as fx
 from megacompile import _torch_compat as compat
 from megacompile import ops
 from megacompile.node_info import info, is_view_node
+
+from .host_casts import is_host_cast
 
 NAME = "recompute"
 # Whether disable_passes may switch it off (the others are what later passes stand on).
@@ -71,6 +74,8 @@ def _host_view_roots(node: fx.Node, memo: dict) -> list[fx.Node] | None:
         return memo[node]
     if compat.is_primal(node):
         result = [node]
+    elif is_host_cast(node) and compat.is_primal(node.args[0]):
+        result = [node.args[0]]  # a host-side cast re-derives as cheaply as a view
     elif is_view_node(node) and node.all_input_nodes:
         roots: list[fx.Node] = []
         for inp in node.all_input_nodes:
@@ -190,7 +195,7 @@ class SavedValueWalk:
             if roots is not None:
                 for r in roots:
                     save(r, "host tensor: the backward loads it again")
-                if n not in roots:
+                if n not in roots and not is_host_cast(n):
                     marks[n] = ("recompute", "view of a host tensor, free to re-derive")
                 continue
             producer = n.args[0] if n.target is operator.getitem else n

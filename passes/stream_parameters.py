@@ -11,7 +11,9 @@ the backward the parameters again) this pass inserts
     evict (right after the last use: the device copy is dead and its slot is reused)
 
 and rewrites the uses to read the device copy. The backward loads parameters again; nothing
-loaded in the forward is still alive when the forward ends.
+loaded in the forward is still alive when the forward ends. A host cast (``host_casts``) is a
+host value like a parameter: its result is what is loaded, and it moves to just before its
+load.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import torch.fx as fx
 
 from megacompile import ops
 from megacompile.node_info import NodeInfo, identifier, info, is_tensor_node, set_nbytes
+
+from .host_casts import is_host_op
 
 NAME = "stream_parameters"
 # Whether disable_passes may switch it off (the others are what later passes stand on).
@@ -77,7 +81,8 @@ def _wait_for_resident_loads(gm: fx.GraphModule, position: dict) -> None:
 def run(gm: fx.GraphModule, ctx) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
-    compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n)]
+    # Device compute only: a host op (a host cast) is not a use that needs a load.
+    compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n) and not is_host_op(n)]
     position = {n: i for i, n in enumerate(compute)}
     _wait_for_resident_loads(gm, position)
     runs = _layer_runs(compute)
@@ -95,7 +100,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
 
     host_values = [
         n for n in nodes
-        if n.op == "placeholder" and info(n).placement == "host" and is_tensor_node(n)
+        if (n.op == "placeholder" or is_host_op(n)) and info(n).placement == "host" and is_tensor_node(n)
         and any(u in position for u in n.users)
     ]
     for host in host_values:
@@ -114,6 +119,10 @@ def run(gm: fx.GraphModule, ctx) -> None:
         with graph.inserting_before(issue_at):
             load = graph.create_node("call_function", ops.load, (host, info(host).source or host.name),
                                      name=f"load__{name}")
+        if host.op != "placeholder":
+            # A host cast of a parameter runs right before its load (its input is a
+            # placeholder, so it can move up to a prefetched load).
+            load.prepend(host)
         load.meta["val"] = host.meta.get("val")
         load.meta["megatrain"] = NodeInfo(
             layer=info(host).layer, role="memory", phase=info(first).phase, placement="device",

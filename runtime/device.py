@@ -49,6 +49,9 @@ class StreamingDevice:
 
     def __init__(self) -> None:
         self.stats = TransferStats()
+        # Transient host copies the program makes (bf16 casts of parameters before their
+        # load, bf16 gradients before their fp32 cast): live and peak bytes.
+        self.host_staging = ArenaTracker()
 
     def reset_stats(self) -> None:
         self.stats = TransferStats()

@@ -29,7 +29,7 @@ from .device import StreamingDevice
 
 @dataclasses.dataclass
 class Instruction:
-    kind: str  # load | offload | wait | evict | op | segment
+    kind: str  # load | offload | wait | evict | op | host_op | segment | const
     out: list[int]
     args: Any  # slot-referencing args for op; input slots for memory ops / segments
     fn: Any = None
@@ -143,6 +143,14 @@ class StreamingProgram:
                     Instruction(kind, out, [slot_of(node.args[0])], name=node.name, layer=layer,
                                 fn=node.args[1] if len(node.args) > 1 else None)
                 )
+            elif has_info(node) and info(node).placement == "host":
+                # A host op (a host cast): runs on the host, never in a device segment; its
+                # result is host staging memory, not device memory.
+                flush()
+                self.instructions.append(
+                    Instruction("host_op", [slot_of(node)], (template(node.args), template(node.kwargs)),
+                                fn=node.target, name=node.name, layer=info(node).layer)
+                )
             else:
                 # A view or getitem inside a run of compute joins its segment (fewer segment
                 # calls, and Inductor sees e.g. a reduction behind a transpose); on its own it
@@ -156,6 +164,17 @@ class StreamingProgram:
                                     fn=node.target, name=node.name, layer=info(node).layer if has_info(node) else None)
                     )
         self.num_slots = len(slot)
+        # Transient host copies: a host op's result on its way to a load (a bf16 cast of a
+        # parameter) and an offloaded copy on its way to a host op (a bf16 gradient before
+        # its fp32 cast). A host op's result the graph returns (the fp32 gradient) is not.
+        def host_op(n: fx.Node) -> bool:
+            return n.op == "call_function" and not ops.is_memory_op(n) and has_info(n) and info(n).placement == "host"
+
+        self.staged_on_host = {
+            slot[n] for n in nodes
+            if (host_op(n) and any(u.target is ops.load for u in n.users))
+            or (n.target is ops.offload and any(host_op(u) for u in n.users))
+        }
         # Slot -> position in the returned tuple, for values returned directly.
         self.output_position: dict[int, int] = {}
         if isinstance(self.output_template, (list, tuple)):
@@ -195,7 +214,7 @@ class StreamingProgram:
         last_read: dict[int, int] = {}
 
         def reads(instr: Instruction) -> list[int]:
-            if instr.kind == "op":
+            if instr.kind in ("op", "host_op"):
                 found: list[int] = []
                 fx.node.map_aggregate(instr.args, lambda a: found.append(a.index) if isinstance(a, _Slot) else a)
                 return found
@@ -273,6 +292,20 @@ class StreamingProgram:
                 a = kw = None
                 if track:
                     device.track(env[instr.out[0]])
+            elif kind == "host_op":
+                a, kw = _resolve(instr.args, env)
+                result = instr.fn(*a, **kw)
+                a = kw = None
+                position = self.output_position.get(instr.out[0]) if lander is not None else None
+                if position is not None and lander.owns(position):
+                    # A gradient made on the host (bf16 -> fp32 cast of a landed copy): the
+                    # host optimizer takes it like an offloaded one; it is complete already.
+                    lander.take(position, result, instr.layer, None)
+                else:
+                    env[instr.out[0]] = result
+                    if instr.out[0] in self.staged_on_host:
+                        device.host_staging.track(result)
+                result = None
             elif kind == "load":
                 env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer, track)
             elif kind == "wait":
@@ -289,6 +322,8 @@ class StreamingProgram:
                     lander.take(position, host, instr.layer, device.completion(host))
                 else:
                     env[instr.out[0]] = host
+                    if instr.out[0] in self.staged_on_host:
+                        device.host_staging.track(host)
                 host = None
             elif kind == "segment":
                 inputs = [env[s] for s in instr.args]

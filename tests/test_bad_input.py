@@ -155,7 +155,7 @@ def test_unknown_option_lists_valid_names():
 BAD_VALUES = [
     # (options, words the message must contain: the valid choices or the rule)
     ({"device": "tpu"}, ["'tpu'", "'cuda'", "'cpu'"]),
-    ({"precision": "bf16"}, ["'bf16'", "'fp32'"]),
+    ({"precision": "fp16"}, ["'fp16'", "'fp32'", "'bf16'"]),
     ({"lowering": "aot"}, ["'aot'", "'inductor'", "'eager'"]),
     ({"recompute": "sometimes"}, ["'sometimes'", "'auto'", "'always'", "'never'"]),
     ({"prefetch_depth": -1}, ["prefetch_depth=-1", "int >= 0"]),

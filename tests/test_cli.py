@@ -17,9 +17,9 @@ import pytest
 from megacompile import cli
 
 PASSES = {
-    "joint": ["annotate", "resident_parameters", "recompute"],
-    "forward": ["annotate", "stream_parameters", "offload_gradients"],
-    "backward": ["annotate", "recompute", "stream_parameters", "offload_gradients"],
+    "joint": ["annotate", "host_casts", "resident_parameters", "recompute"],
+    "forward": ["annotate", "host_casts", "stream_parameters", "offload_gradients"],
+    "backward": ["annotate", "host_casts", "recompute", "stream_parameters", "offload_gradients"],
 }
 
 # A 2-layer MLP trained for 2 steps on the CPU stand-in: megatrain compiles the forward+loss
@@ -113,20 +113,20 @@ def test_inspect_out_writes_one_file_per_snapshot(train_script, tmp_path, capsys
         f"only the training graph has forward/backward snapshots: {graph_dirs}"
     label = graph_dirs[0]
     names = sorted(os.listdir(out_dir / label))
-    # NN counts each snapshot's position in the graph's pipeline (joint 00-03 are unselected).
+    # NN counts each snapshot's position in the graph's pipeline (joint 00-04 are unselected).
     assert names == [
-        "04-forward-captured.py", "05-forward-annotate.py", "06-forward-stream_parameters.py",
-        "07-forward-offload_gradients.py", "12-backward-offload_gradients.py",
+        "05-forward-captured.py", "06-forward-annotate.py", "07-forward-host_casts.py",
+        "08-forward-stream_parameters.py", "09-forward-offload_gradients.py", "15-backward-offload_gradients.py",
     ]
-    streamed = (out_dir / label / "06-forward-stream_parameters.py").read_text()
+    streamed = (out_dir / label / "08-forward-stream_parameters.py").read_text()
     assert streamed.splitlines()[0].startswith(
-        f"# megacompile inspect: {label} [06] forward / stream_parameters -- pass stream_parameters: created")
+        f"# megacompile inspect: {label} [08] forward / stream_parameters -- pass stream_parameters: created")
     assert "megatrain.load(" in streamed
-    assert "megatrain.offload(" in (out_dir / label / "12-backward-offload_gradients.py").read_text()
+    assert "megatrain.offload(" in (out_dir / label / "15-backward-offload_gradients.py").read_text()
 
     summary = (out_dir / "summary.txt").read_text()
     assert "policy keep" in summary and "megatrain step report" in summary
-    assert str(out_dir / label / "04-forward-captured.py") in summary
+    assert str(out_dir / label / "05-forward-captured.py") in summary
     # With --out, stdout has the summary only, not the graphs.
     assert "def program(" not in printed and "files:" in printed
 
@@ -143,7 +143,7 @@ def test_inspect_json_of_a_module(train_script, tmp_path, capsys, monkeypatch):
         assert [s["stage"] for s in stages[graph]] == ["captured", *passes]
     last_forward = stages["forward"][-1]
     assert last_forward["provenance"]["pass"] == "offload_gradients"
-    assert last_forward["file"] == f"{training['directory']}/07-forward-offload_gradients.py"
+    assert last_forward["file"] == f"{training['directory']}/09-forward-offload_gradients.py"
     assert "megatrain.load(" in last_forward["text"]
     assert "megatrain.offload(" in stages["backward"][-1]["text"]
     assert training["plan"]["peak_bytes"] > 0 and training["plan"]["reason"]

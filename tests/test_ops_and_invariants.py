@@ -329,3 +329,80 @@ def test_disable_stream_parameters_still_trains():
     for gm in (rec.forward, rec.backward):
         assert not any(n.target is ops.load for n in gm.graph.nodes)
     assert megacompile.last_report() is not None
+
+
+# --- bf16: host casts are explicit host ops, and the invariants cover them ---------------------
+@pytest.fixture
+def trained_bf16():
+    return _train_record(precision="bf16", disable_passes=["resident_parameters"])
+
+
+def _host_casts(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and info(n).decision == "host_cast"]
+
+
+def test_bf16_host_casts_are_placed_on_the_host(trained_bf16):
+    _, rec = trained_bf16
+    invariants.check(rec.forward, _ctx(rec, "forward"))
+    invariants.check(rec.backward, _ctx(rec, "backward"))
+    # Forward: every fp32 host tensor a matmul reads is cast to bf16 on the host and that
+    # cast is what is loaded.
+    casts = _host_casts(rec.forward)
+    assert casts and all(info(c).placement == "host" and info(c).created_by == "capture" for c in casts)
+    for cast in casts:
+        assert cast.args[0].op == "placeholder" and cast.meta["val"].dtype == torch.bfloat16
+        assert [u.target for u in cast.users] == [ops.load]
+        assert info(next(iter(cast.users))).nbytes_hint == cast.meta["val"].numel() * 2
+    # Backward: every gradient is a host cast to fp32 of a bf16 offload.
+    output = next(iter(rec.backward.graph.find_nodes(op="output")))
+    grads = [o for o in output.args[0] if isinstance(o, fx.Node)]
+    assert grads and all(g in _host_casts(rec.backward) for g in grads)
+    for g in grads:
+        assert g.meta["val"].dtype == torch.float32
+        assert g.args[0].target is ops.offload and g.args[0].meta["val"].dtype == torch.bfloat16
+
+
+def _gradient_cast_reads_device(gm):
+    cast = next(n for n in _host_casts(gm) if n.args[0].target is ops.offload)
+    device_value = cast.args[0].args[0]
+    cast.replace_input_with(cast.args[0], device_value)
+    return [f"host op {cast.name} reads device value {device_value.name}"]
+
+
+def _gradient_cast_before_wait(gm):
+    cast = next(n for n in _host_casts(gm) if n.args[0].target is ops.offload)
+    wait = next(u for u in cast.args[0].users if u.target is ops.wait)
+    wait.prepend(cast)
+    return [f"host op {cast.name} reads {cast.args[0].name} before waiting for its offload"]
+
+
+def _device_reads_host_cast(gm):
+    load = next(n for n in gm.graph.nodes if n.target is ops.load and n.args[0].op == "call_function")
+    cast = load.args[0]
+    with gm.graph.inserting_after(load):
+        neg = gm.graph.call_function(torch.ops.aten.neg.default, (cast,))
+    neg.meta["megatrain"] = NodeInfo(role="compute", placement="device")
+    return [f"compute op {neg.name} reads host value {cast.name} without a load"]
+
+
+@pytest.mark.parametrize("corrupt", [_gradient_cast_reads_device, _gradient_cast_before_wait, _device_reads_host_cast],
+                         ids=["gradient_cast_reads_device", "gradient_cast_before_wait", "device_reads_host_cast"])
+def test_check_names_host_cast_violations(trained_bf16, corrupt):
+    _, rec = trained_bf16
+    broken = _copy(rec.backward)
+    words = corrupt(broken)
+    broken.graph.lint()
+    with pytest.raises(InvariantViolation) as excinfo:
+        invariants.check(broken, _ctx(rec, "backward"))
+    for word in words:
+        assert word in str(excinfo.value), str(excinfo.value)
+
+
+def test_check_catches_host_cast_crossing_to_backward(trained_bf16):
+    _, rec = trained_bf16
+    broken = _copy(rec.forward)
+    cast = _host_casts(broken)[0]
+    output = next(iter(broken.graph.find_nodes(op="output")))
+    output.args = ((*output.args[0], cast),)
+    with pytest.raises(InvariantViolation, match=f"host cast {cast.name} crosses from forward to backward"):
+        invariants.check(broken, _ctx(rec, "forward"))
