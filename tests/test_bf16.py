@@ -312,7 +312,10 @@ def test_bf16_unmodified_hugging_face_models(name):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
     report = megacompile.last_report()
     assert report.measured_peak_device_bytes <= budget
-    assert report.host_bytes_per_param == pytest.approx(16.0, abs=0.01)
+    # The stock loop overlaps the optimizer from the second step on: gradients are consumed
+    # as they land, so the host keeps weights and states only.
+    assert report.optimizer["overlapped"]
+    assert report.host_bytes_per_param == pytest.approx(12.0, abs=0.01)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
