@@ -258,8 +258,10 @@ class TrainingCompiler:
         """Per backward call: a lander if the optimizer step can overlap it, else None."""
         from . import overlap
 
-        if not self.options.overlap_optimizer:
-            overlap.record(overlap.OverlapStats(False, "overlap_optimizer=False"))
+        if not self.options.overlaps_optimizer:
+            overlap.record(overlap.OverlapStats(False, "overlap_optimizer=False" if self.options.overlap_optimizer is False
+                                                else "overlap_optimizer='auto' is off on the CPU stand-in (its device "
+                                                     "lane computes on the host cores the updates would use)"))
             return None
         params = self.param_inputs.tensors()
         opt, reason = overlap.step_follows_backward(params)

@@ -82,7 +82,15 @@ class Options:
     disable_passes: tuple[str, ...] = ()
     # Update each layer's parameters on a host thread as its gradients land, while the
     # backward goes on, where that is provably the same as eager (megacompile/overlap.py).
-    overlap_optimizer: bool = True
+    # "auto": on CUDA; off on the CPU stand-in, whose device lane computes on the very host
+    # cores the updates would run on (there is nothing to overlap with).
+    overlap_optimizer: bool | str = "auto"
+
+    @property
+    def overlaps_optimizer(self) -> bool:
+        if self.overlap_optimizer == "auto":
+            return self.device == "cuda"
+        return bool(self.overlap_optimizer)
 
     @property
     def torch_device(self) -> torch.device:
@@ -156,8 +164,8 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
             raise OptionsError(f"option hardware={raw['hardware']!r}: {e}") from None
         kw["hardware"] = raw["hardware"]
     if "overlap_optimizer" in raw:
-        if not isinstance(raw["overlap_optimizer"], bool):
-            raise OptionsError(f"option overlap_optimizer={raw['overlap_optimizer']!r} must be True or False")
+        if not isinstance(raw["overlap_optimizer"], bool) and raw["overlap_optimizer"] != "auto":
+            raise OptionsError(f"option overlap_optimizer={raw['overlap_optimizer']!r} must be True, False or 'auto'")
         kw["overlap_optimizer"] = raw["overlap_optimizer"]
     if "disable_passes" in raw:
         names = raw["disable_passes"]

@@ -45,7 +45,8 @@ def run_bf16_parity(name: str, budget_fraction: float | None, steps: int = STEPS
     fp32_step, _ = make_training_step(fp32_reference, loss_fn)
     compiled_step = torch.compile(
         compiled_step, backend="megatrain",
-        options={"device": "cpu", "lowering": "eager", "precision": "bf16", "memory_budget": budget},
+        options={"device": "cpu", "lowering": "eager", "precision": "bf16", "memory_budget": budget,
+                 "overlap_optimizer": True},
     )
     eager_step = _eager_autocast(eager_step)
     gen = torch.Generator().manual_seed(1)
@@ -301,7 +302,8 @@ def test_bf16_unmodified_hugging_face_models(name):
         return step
 
     compiled = torch.compile(make(model), backend="megatrain", options={
-        "device": "cpu", "lowering": "eager", "precision": "bf16", "memory_budget": budget})
+        "device": "cpu", "lowering": "eager", "precision": "bf16", "memory_budget": budget,
+        "overlap_optimizer": True})
     eager = _eager_autocast(make(reference))
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
@@ -329,7 +331,8 @@ def test_report_host_bytes_when_the_optimizer_overlaps_the_backward(precision):
         torch.manual_seed(0)
         model = ctor()
         step, _ = make_training_step(model, loss_fn)
-        step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+        step = torch.compile(step, backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", "overlap_optimizer": True})
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             step(*make_batch(gen))

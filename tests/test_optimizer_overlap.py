@@ -23,7 +23,8 @@ from reference_models import GPT, MLP, training_state_bytes
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
-OPTIONS = {"device": "cpu", "lowering": "eager"}
+# The CPU stand-in leaves overlap off unless asked ("auto" is on for CUDA only).
+OPTIONS = {"device": "cpu", "lowering": "eager", "overlap_optimizer": True}
 
 
 def pair(ctor=MLP, seed: int = 0):
@@ -266,6 +267,19 @@ def test_gradients_are_consumed_not_kept():
     assert all(ref() is None for ref in taken)
     total_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert 0 < report["peak_pending_grad_bytes"] <= total_grad_bytes
+
+
+def test_auto_is_off_on_the_cpu_stand_in():
+    model, reference = pair(MLP)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    for x, y in batches(2):
+        loss = F.mse_loss(compiled(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    report = optimizer_report()
+    assert report["overlapped"] is False and "CPU stand-in" in report["reason"]
 
 
 def test_step_pattern_reader_on_plain_functions():

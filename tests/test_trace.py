@@ -28,7 +28,8 @@ def _train(lowering: str, steps: int, path=None):
     budget = training_state_bytes(model) // 3  # parameters stream, gradients leave early
     step, _ = make_training_step(model, loss_fn)
     step = torch.compile(step, backend="megatrain",
-                         options={"device": "cpu", "lowering": lowering, "memory_budget": budget})
+                         options={"device": "cpu", "lowering": lowering, "memory_budget": budget,
+                                  "overlap_optimizer": True})
     gen = torch.Generator().manual_seed(1)
     batches = [make_batch(gen) for _ in range(steps + 1)]
     step(*batches[0])  # compiles outside the trace
