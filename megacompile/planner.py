@@ -460,22 +460,19 @@ def plan_training(
             a.plan.layer_costs = {g.root: dataclasses.asdict(g.options[j]) for g, j in zip(groups, picks)}
             candidates.append(a)
 
-    # Each candidate whose loads stall the compute lane also comes with deeper prefetch for
-    # those loads (more memory, less waiting): the ladder decides, like for everything else.
-    candidates += [d for d in map(deeper_prefetch, list(candidates)) if d is not None]
-
     # Keep a ladder along which, as the peak grows, predicted time strictly falls and the
     # recompute count never rises; a budget then takes the last rung that fits. A larger
     # budget can only move up the ladder: step time and recomputed ops never increase.
     for c in candidates:
         c.plan.predicted_seconds = predict_seconds(c)
-    ladder: list[Attempt] = []
-    for c in sorted(candidates, key=lambda c: (c.peak, c.plan.predicted_seconds)):
-        # Ties in time go to the later (less aggressive) rung: no offload or recompute that
-        # buys nothing.
-        if not ladder or (c.plan.predicted_seconds <= ladder[-1].plan.predicted_seconds
-                          and len(c.plan.recomputed_ops) <= len(ladder[-1].plan.recomputed_ops)):
-            ladder.append(c)
+    # Each rung whose loads stall the compute lane also comes with deeper prefetch for those
+    # loads (more memory, less waiting), and the ladder is drawn again over all of them.
+    # Only rungs get the variant: building one per candidate doubled the planning time.
+    deeper = [d for d in map(deeper_prefetch, _ladder(candidates)) if d is not None]
+    for d in deeper:
+        d.plan.predicted_seconds = predict_seconds(d)
+    candidates += deeper
+    ladder = _ladder(candidates)
     fitting = [c for c in ladder if fits(c)]
     if not fitting:
         _raise(candidates, budget)
@@ -486,6 +483,19 @@ def plan_training(
         f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver for per-layer choices)"
     )
     return chosen
+
+
+def _ladder(candidates: list[Attempt]) -> list[Attempt]:
+    """The candidates along which, as the peak grows, predicted time falls and the recompute
+    count never rises (each candidate priced: ``plan.predicted_seconds``)."""
+    ladder: list[Attempt] = []
+    for c in sorted(candidates, key=lambda c: (c.peak, c.plan.predicted_seconds)):
+        # Ties in time go to the later (less aggressive) rung: no offload or recompute that
+        # buys nothing.
+        if not ladder or (c.plan.predicted_seconds <= ladder[-1].plan.predicted_seconds
+                          and len(c.plan.recomputed_ops) <= len(ladder[-1].plan.recomputed_ops)):
+            ladder.append(c)
+    return ladder
 
 
 # A parameter is prefetched at most this many layers ahead (each layer deeper holds one more
