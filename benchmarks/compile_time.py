@@ -55,23 +55,31 @@ class _MarkedLayers:
         self.cls.forward = self.original
 
 
+def _two_calls(model, seq_len: int, budget: int | None = None) -> tuple[float, float]:
+    """(first call s, second call s) of the compiled training step of ``model`` on meta."""
+    options = {"device": "cpu", "lowering": "eager", "hardware": "h200"}
+    if budget is not None:
+        options["memory_budget"] = budget
+    compiled = torch.compile(plan_cmd.make_step(model), backend="megatrain", options=options)
+    x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with plan_cmd._meta_placement():
+        t0 = time.perf_counter()
+        compiled(x, x)
+        t1 = time.perf_counter()
+        compiled(x, x)
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
 def marked_compile(cfg: dict, seq_len: int) -> float:
     """Compile seconds (first call - second call) with the decoder layers marked."""
     plan_cmd._reset_dynamo()
     capture.COMPILED.clear()
     model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
     with _MarkedLayers(model):
-        compiled = torch.compile(plan_cmd.make_step(model), backend="megatrain",
-                                 options={"device": "cpu", "lowering": "eager", "hardware": "h200"})
-        x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-        with plan_cmd._meta_placement():
-            t0 = time.perf_counter()
-            compiled(x, x)
-            t1 = time.perf_counter()
-            compiled(x, x)
-            t2 = time.perf_counter()
+        first, second = _two_calls(model, seq_len)
     plan_cmd._reset_dynamo()
-    return (t1 - t0) - (t2 - t1)
+    return first - second
 
 
 def full_compile(cfg: dict, seq_len: int, budget: int | None) -> tuple[float, float, str, int, dict | None]:
@@ -80,18 +88,7 @@ def full_compile(cfg: dict, seq_len: int, budget: int | None) -> tuple[float, fl
     plan_cmd._reset_dynamo()
     capture.COMPILED.clear()
     model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
-    step = plan_cmd.make_step(model)
-    options = {"device": "cpu", "lowering": "eager", "hardware": "h200"}
-    if budget is not None:
-        options["memory_budget"] = budget
-    compiled = torch.compile(step, backend="megatrain", options=options)
-    x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-    with plan_cmd._meta_placement():
-        t0 = time.perf_counter()
-        compiled(x, x)
-        t1 = time.perf_counter()
-        compiled(x, x)
-        t2 = time.perf_counter()
+    first, second = _two_calls(model, seq_len, budget)
     record = next(r for r in capture.COMPILED if r.plan is not None and r.plan.policy != "inference")
     plan_cmd._reset_dynamo()
     plan = record.plan
@@ -107,7 +104,7 @@ def full_compile(cfg: dict, seq_len: int, budget: int | None) -> tuple[float, fl
         n = cfg["num_hidden_layers"]
         uniform = plan.policy.split(" ")[0]
         same = {plan_cmd.RESIDENT: n} if plan.resident else ({uniform: n} if uniform in plan_cmd.POLICIES else None)
-    return t1 - t0, t2 - t1, policy, plan.peak_bytes, same
+    return first, second, policy, plan.peak_bytes, same
 
 
 def planned(cfg: dict, seq_len: int, budget: int | None):
