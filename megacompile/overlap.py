@@ -353,7 +353,9 @@ class GradientLander:
         self._batch_layer = layer
         with self._lock:
             self._pending_bytes += host_grad.numel() * host_grad.element_size()
-            self.stats.consumed_grad_bytes += host_grad.numel() * host_grad.element_size()
+            # What eager would keep in param.grad: the parameter's dtype (a bf16 copy taken
+            # before its fp32 cast stands for an fp32 gradient).
+            self.stats.consumed_grad_bytes += p.numel() * p.element_size()
             self.stats.peak_pending_grad_bytes = max(self.stats.peak_pending_grad_bytes, self._pending_bytes)
 
     def _submit(self) -> None:

@@ -182,6 +182,19 @@ class StreamingProgram:
             for position, t in enumerate(self.output_template):
                 if isinstance(t, _Slot) and returned.count(t.index) == 1:  # returned once
                     self.output_position[t.index] = position
+        # bf16: a gradient comes back as an offloaded bf16 copy that a host cast widens to the
+        # fp32 value returned. Offload slot -> (returned position, the cast's slot): the
+        # host optimizer can take the bf16 copy as soon as it lands (its kernel widens it
+        # exactly) instead of waiting for the cast at the end of the backward.
+        offloaded = {i.out[0] for i in self.instructions if i.kind == "offload"}
+        self.widened_gradient: dict[int, tuple[int, int]] = {}
+        for instr in self.instructions:
+            if instr.kind != "host_op" or instr.out[0] not in self.output_position:
+                continue
+            inputs: list[int] = []
+            fx.node.map_aggregate(instr.args, lambda a: inputs.append(a.index) if isinstance(a, _Slot) else a)
+            if len(inputs) == 1 and inputs[0] in offloaded:
+                self.widened_gradient[inputs[0]] = (self.output_position[instr.out[0]], instr.out[0])
         self._plan_frees(slot)
 
     def _segment(self, seg_nodes: list[fx.Node], slot_of, all_nodes: list[fx.Node]) -> Instruction:
@@ -281,6 +294,7 @@ class StreamingProgram:
             env[s] = None
         device = self.device
         track = self.lowering == "eager"
+        taken_casts: set[int] = set()
         for instr in self.instructions:
             if recorder is not None:
                 instr_start = time.perf_counter_ns()
@@ -293,6 +307,8 @@ class StreamingProgram:
                 if track:
                     device.track(env[instr.out[0]])
             elif kind == "host_op":
+                if instr.out[0] in taken_casts:
+                    continue  # the host optimizer took (and widens) this cast's input already
                 a, kw = _resolve(instr.args, env)
                 result = instr.fn(*a, **kw)
                 a = kw = None
@@ -316,6 +332,10 @@ class StreamingProgram:
             elif kind == "offload":
                 host = device.offload(env[instr.args[0]], instr.fn, instr.layer)
                 position = self.output_position.get(instr.out[0]) if lander is not None else None
+                widened = self.widened_gradient.get(instr.out[0]) if lander is not None else None
+                if widened is not None and lander.owns(widened[0]):
+                    position = widened[0]
+                    taken_casts.add(widened[1])
                 if position is not None and lander.owns(position):
                     # The host optimizer consumes this gradient as soon as it lands; the
                     # backward returns None for it (no host gradient buffer is kept).
