@@ -13,3 +13,16 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_result(text: str, name: str, out: str | None = None) -> str:
+    """Print ``text`` and write it to ``out`` or ``benchmarks/results/<name>-<date>-cpu-<N>core<suffix>``."""
+    import datetime
+    import os
+
+    print(text)
+    path = out or os.path.join(os.path.dirname(__file__), "results", name.format(
+        date=datetime.date.today(), cores=os.cpu_count()))
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    return path

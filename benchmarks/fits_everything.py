@@ -24,7 +24,7 @@ import torch.nn as nn
 import megacompile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import cpu_model  # noqa: E402
+from _machine import cpu_model, write_result  # noqa: E402
 
 
 def make_step(model, opt):
@@ -100,13 +100,8 @@ def main() -> int:
         if name == "megatrain (inductor lowering)":
             ok = ratio <= 1.10
     lines.append(f"target: megatrain (inductor lowering) within 10% of torch.compile: {'MET' if ok else 'MISSED'}")
-    text = "\n".join(lines)
-    print(text)
     slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\(r\)|\(tm\)|cpu|@.*", "", cpu_model().lower())).strip("-")
-    out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   f"fits_everything-{datetime.date.today()}-cpu-{os.cpu_count()}core-{slug}.txt")
-    with open(out, "w") as f:
-        f.write(text + "\n")
+    write_result("\n".join(lines), "fits_everything-{date}-cpu-{cores}core-" + slug + ".txt", args.out)
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _machine import cpu_model  # noqa: E402
+from _machine import cpu_model, write_result  # noqa: E402
 
 import megacompile  # noqa: E402
 
@@ -128,13 +128,8 @@ def main() -> int:
             lines.append(f"Chrome trace of one overlapped step: {args.trace}")
         else:
             lines.append("(this build has no runtime trace)")
-    text = "\n".join(lines)
-    print(text)
-    out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   f"optimizer_overlap-{datetime.date.today()}-cpu-{os.cpu_count()}core"
-                                   f"-{torch.get_num_threads()}thread.txt")
-    with open(out, "w") as f:
-        f.write(text + "\n")
+    write_result("\n".join(lines), "optimizer_overlap-{date}-cpu-{cores}core-" + f"{torch.get_num_threads()}thread.txt",
+                 args.out)
     return 0
 
 

@@ -268,9 +268,7 @@ class TrainingCompiler:
         if opt is None:
             overlap.record(overlap.OverlapStats(False, reason))
             return None
-        from megacompile.runtime import trace
-
-        lander = overlap.GradientLander(opt, params, self.device, reason, span=trace.span)
+        lander = overlap.GradientLander(opt, params, self.device, reason)
         overlap.record(lander.stats)
         RECORDER.optimizer_seen(opt)
         return lander

@@ -13,7 +13,6 @@ megatrain host graph ran in between, something outside the compiled program upda
 """
 from __future__ import annotations
 
-import gc
 import warnings
 
 import torch
@@ -47,7 +46,9 @@ class EagerUpdateWatch:
         changed = [p for p in params.values() if id(p) in versions and compat.tensor_version(p) != versions[id(p)]]
         if not changed:
             return
-        opt = _optimizer_owning(changed)
+        from .host_optimizer import optimizer_of
+
+        opt = optimizer_of({id(p): p for p in changed})
         if opt is None or type(opt) in _warned:
             return
         _warned.add(type(opt))
@@ -57,12 +58,3 @@ class EagerUpdateWatch:
             f"but the update is neither fused nor overlapped with the device",
             stacklevel=2,
         )
-
-
-def _optimizer_owning(params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
-    wanted = {id(p) for p in params}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.optim.Optimizer):  # type(): no __class__ properties run
-            if any(id(p) in wanted for g in obj.param_groups for p in g["params"]):
-                return obj
-    return None

@@ -22,7 +22,8 @@ import torch
 import torch.fx as fx
 
 
-def _optimizer_of(tensors: dict[int, torch.Tensor]) -> torch.optim.Optimizer | None:
+def optimizer_of(tensors: dict[int, torch.Tensor]) -> torch.optim.Optimizer | None:
+    """The one live optimizer holding any of ``tensors`` (by id), or None (none, or two)."""
     found = None
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.optim.Optimizer):  # type(): no __class__ properties run
@@ -54,7 +55,7 @@ def optimizer_of_graph(gm: fx.GraphModule) -> torch.optim.Optimizer | None:
             value = getattr(gm, node.target, None)
             if isinstance(value, torch.Tensor):
                 attrs[id(value)] = value
-    return _optimizer_of(attrs) if attrs else None
+    return optimizer_of(attrs) if attrs else None
 
 
 def fused_step_for(gm: fx.GraphModule) -> Callable[..., Any] | None:

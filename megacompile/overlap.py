@@ -321,12 +321,10 @@ class GradientLander:
     gradients of one layer are batched into one fused update on the worker thread.
     """
 
-    def __init__(self, opt: torch.optim.Optimizer, params: dict[int, torch.Tensor], device, reason: str,
-                 span=None) -> None:
+    def __init__(self, opt: torch.optim.Optimizer, params: dict[int, torch.Tensor], device, reason: str) -> None:
         self.opt = opt
         self.device = device
         self.stats = OverlapStats(True, reason)
-        self.span = span
         self._group_of = {}
         for index, group in enumerate(opt.param_groups):
             for p in group["params"]:
@@ -378,14 +376,13 @@ class GradientLander:
         self._futures.append(_pool().submit(self._update, work, layer))
 
     def _update(self, work, layer) -> None:
+        from .runtime import trace
         from .runtime.host_adam import fused_adam_step
 
         start = time.perf_counter()
         nbytes = 0
         n = sum(len(items) for items, _ in work)
-        span = (self.span("host optimizer", f"adam[{layer}]", layer=layer, tensors=n, overlapped=True)
-                if self.span else _NullSpan())
-        with span:
+        with trace.span("host optimizer", f"adam[{layer}]", layer=layer, tensors=n, overlapped=True):
             for items, hyper in work:
                 grads = []
                 for _, g, ready, prior in items:
@@ -417,14 +414,6 @@ class GradientLander:
         for p in self.params.values():
             if p.grad is not None:
                 p.grad = None
-
-
-class _NullSpan:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # The last backward's decision, for the step report.
