@@ -44,6 +44,9 @@ class CompiledGraph:
     param_bytes_by_layer: dict = dataclasses.field(default_factory=dict)
     # The graph's parameters (weakly: the record must not keep a model alive), by input index.
     param_refs: dict = dataclasses.field(default_factory=dict)
+    # Inductor lowering: how many distinct segments were compiled and how many repeats reused
+    # one (runtime.segment_cache.SegmentCacheStats).
+    segment_stats: Any = None
 
     @property
     def num_params(self) -> int:
@@ -139,6 +142,7 @@ class CompiledGraph:
             host_graphs=host_graphs,
             notes=[plan.reason] if plan.reason else [],
             optimizer=overlap,
+            segments=dataclasses.asdict(self.segment_stats) if self.segment_stats is not None else None,
         )
 
 
@@ -358,11 +362,14 @@ def size_check(record: CompiledGraph, budget: int | None):
 def lower_with(options: Options, device):
     """A lowering function bound to the options: graph -> StreamingProgram."""
     from megacompile.runtime.executor import StreamingProgram
+    from megacompile.runtime.segment_cache import SegmentCache
 
-    def compile_segment(gm: fx.GraphModule, inputs: list):
-        return compat.inductor_compile(gm, inputs)
+    # One cache for the forward and the backward of this graph: a repeated layer's segments
+    # are compiled once.
+    compile_segment = SegmentCache(compat.inductor_compile)
 
     def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str):
+        record.segment_stats = compile_segment.stats
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
         on_finish = (lambda: RECORDER.graph_finished(record)) if start_step or record.plan.policy != "inference" else None
         check = size_check(record, options.memory_budget) if part == "forward" else None

@@ -54,6 +54,9 @@ class StepReport:
     # (overlapped, reason, updated_params, update_seconds, exposed_seconds,
     # peak_pending_grad_bytes), or None before a backward ran.
     optimizer: dict | None = None
+    # Inductor lowering: {"compiled": distinct segments compiled, "reused": segments that
+    # reused a repeat's compiled code} for this step's graph; None for the eager lowering.
+    segments: dict | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,6 +83,9 @@ class StepReport:
                 f"gradients landed, {o['exposed_seconds'] * 1e3:.1f} ms waited at the end" if o["overlapped"]
                 else f"  host optimizer       after the backward ({o['reason']})"
             )
+        if self.segments is not None and self.lowering == "inductor":
+            lines.append(f"  compiled segments    {self.segments['compiled']} distinct, "
+                         f"{self.segments['reused']} repeats reused them")
         header = f"  {'layer':<28}{'params':>12}{'h2d':>12}{'d2h':>12}{'saved act':>12}{'recomp':>8}{'fwd peak':>12}{'bwd peak':>12}"
         lines.append(header)
         for r in self.layers:

@@ -14,6 +14,7 @@ Two lowerings share the executor:
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import Any, Callable
 
@@ -214,13 +215,25 @@ class StreamingProgram:
         for n in seg_nodes:
             env[n] = graph.node_copy(n, lambda x: env[x])
             env[n].meta = {}
-        graph.output(tuple(env[o] for o in outputs))
+        # A multi-output op read outside the segment (``nll_loss_forward``, whose second
+        # result a later getitem takes) leaves as its elements: a compiled graph returns a flat
+        # tuple of tensors. ``arity`` says how many flat outputs each slot takes back.
+        flat, arity = [], []
+        for o in outputs:
+            val = o.meta.get("val")
+            if isinstance(val, (tuple, list)):
+                flat += [graph.call_function(operator.getitem, (env[o], i)) for i in range(len(val))]
+                arity.append(len(val))
+            else:
+                flat.append(env[o])
+                arity.append(None)
+        graph.output(tuple(flat))
         sub = fx.GraphModule(self.gm, graph)
         layers = list(dict.fromkeys(info(n).layer for n in seg_nodes if has_info(n) and info(n).layer))
         instr = Instruction("segment", [slot_of(o) for o in outputs], [slot_of(i) for i in inputs],
                             name=f"segment[{seg_nodes[0].name}..{seg_nodes[-1].name}]",
                             layer=",".join(layers) if layers else None)
-        instr.fn = {"gm": sub, "compiled": None}
+        instr.fn = {"gm": sub, "compiled": None, "arity": arity if any(a is not None for a in arity) else None}
         return instr
 
     def _plan_frees(self, slot: dict) -> None:
@@ -351,6 +364,8 @@ class StreamingProgram:
                     instr.fn["compiled"] = self._compile(instr.fn["gm"], inputs)
                 outs = instr.fn["compiled"](*inputs)
                 inputs = None
+                if instr.fn["arity"] is not None:
+                    outs = _regroup(outs, instr.fn["arity"])
                 for s, v in zip(instr.out, outs):
                     env[s] = v
                 outs = None
@@ -365,6 +380,19 @@ class StreamingProgram:
         result = _resolve(self.output_template, env)
         env.clear()
         return result
+
+
+def _regroup(flat, arity: list) -> list:
+    """A segment's flat outputs back into one value per slot (a tuple for a multi-output op)."""
+    out, k = [], 0
+    for n in arity:
+        if n is None:
+            out.append(flat[k])
+            k += 1
+        else:
+            out.append(tuple(flat[k:k + n]))
+            k += n
+    return out
 
 
 _COMPUTE_LANES = {"op": "compute", "segment": "compute", "const": "compute", "wait": "wait", "evict": "evict"}
