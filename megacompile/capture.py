@@ -186,24 +186,30 @@ class TrainingCompiler:
 
         joint._megatrain_num_fwd_outputs = num_fwd_outputs
 
-        def build(plan: TrainingPlan) -> Attempt:
+        def build(plan: TrainingPlan, snapshots: bool = False) -> Attempt:
+            # Candidates are built without the inspect snapshots (formatting every graph after
+            # every pass was a third of the planning time); the chosen plan is built again
+            # with them.
             jctx = self._ctx("joint", plan)
-            run_passes(joint, jctx)
+            run_passes(joint, jctx, keep_snapshots=snapshots)
             by_name = {n.name: n for n in joint.graph.nodes}
             fw, bw = compat.extract_forward_backward(
                 joint, [by_name[n] for n in plan.saved_values], [by_name[n] for n in plan.saved_sym_nodes],
                 num_fwd_outputs,
             )
             fctx = self._ctx("forward", plan, num_user_outputs=num_fwd_outputs)
-            run_passes(fw, fctx)
+            run_passes(fw, fctx, keep_snapshots=snapshots)
             bctx = self._ctx("backward", plan)
-            run_passes(bw, bctx)
+            run_passes(bw, bctx, keep_snapshots=snapshots)
             plan.forward = estimate_memory(fw, keep_outputs_alive=True)
             plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw))
             return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
 
         # Annotate once to learn the layers in forward order.
         run_passes(joint, self._ctx("joint", TrainingPlan()), keep_snapshots=False)
+        from .cost_model import remember_flops
+
+        remember_flops(joint)  # every candidate's graphs copy these nodes: count their FLOPs once
         layers: list[str] = []
         for node in joint.graph.nodes:
             layer = info(node).layer if node.op == "call_function" and compat.is_forward_tagged(node) else None
@@ -224,6 +230,8 @@ class TrainingCompiler:
 
         both_phases = [info(n).source for n in used_in_both_phases(joint)]
         chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases, joint=joint)
+        if not chosen.snapshots:  # built as a candidate: again, with inspect's snapshots
+            chosen = build(chosen.plan, snapshots=True)
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = chosen.snapshots
         COMPILED.append(self.record)

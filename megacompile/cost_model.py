@@ -182,7 +182,28 @@ def _output_has_tensor(val: Any) -> bool:
     return False
 
 
+_FLOPS_KEY = "megatrain_flops"
+
+
+def remember_flops(gm: fx.GraphModule) -> None:
+    """Count every op's FLOPs once and keep the count in its meta, for the graphs built from
+    this one: node copies share the meta's fake tensors, and the count is reused while the
+    copy's result is the same fake tensor (the same op on the same sizes)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta[_FLOPS_KEY] = (id(node.meta.get("val")), _count_flops(node))
+
+
 def node_flops(node: fx.Node) -> int:
+    """FLOPs of one aten op node, from its fake tensors at the example's sizes (counted once
+    where ``remember_flops`` ran on the graph this node was copied from)."""
+    remembered = node.meta.get(_FLOPS_KEY)
+    if remembered is not None and remembered[0] == id(node.meta.get("val")):
+        return remembered[1]
+    return _count_flops(node)
+
+
+def _count_flops(node: fx.Node) -> int:
     """FLOPs of one aten op node, from its fake tensors at the example's sizes.
 
     The formulas are ``torch.utils.flop_counter``'s (2*M*N*K for a matmul); an op without a

@@ -24,6 +24,7 @@ Fields
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -115,9 +116,15 @@ def is_view_node(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, _compat_op_overload()):
         return False
-    if target in _UNDECLARED_VIEWS:
-        return True
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+    view = _IS_VIEW.get(target)
+    if view is None:  # read from the schema once per op (the planner asks millions of times)
+        view = target in _UNDECLARED_VIEWS or any(
+            r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+        _IS_VIEW[target] = view
+    return view
+
+
+_IS_VIEW: dict = {}
 
 
 # Ops whose schema promises a fresh tensor but whose kernels return a view of the input
@@ -130,6 +137,7 @@ _ROOT = re.compile(r"^[LG]\['[^']*'\]")
 _MODULE_TOKENS = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
 
 
+@functools.lru_cache(maxsize=65536)  # pure; asked once per node of every graph the planner builds
 def normalize_module_path(path: str) -> str:
     """``G['model'].layers.0.fc`` / ``L['self'].layers[0]`` -> ``layers.0.fc``."""
     path = _ROOT.sub("", path)
@@ -154,6 +162,7 @@ def source_to_name(source: str) -> str:
     return re.sub(r"[^0-9A-Za-z_.]", "_", source)
 
 
+@functools.lru_cache(maxsize=65536)
 def layer_of_module_path(path: str) -> str | None:
     """The repeated block a module path belongs to.
 

@@ -324,13 +324,16 @@ def plan_training(
     def make(default: str, per_layer: dict[str, str] | None = None, name: str = "",
              resident: list[str] | None = None, per_value: dict[str, str] | None = None,
              value_reason: dict[str, str] | None = None, resident_reason: dict[str, str] | None = None,
-             prefetch: dict[str, int] | None = None, prefetch_reason: dict[str, str] | None = None) -> Attempt:
+             prefetch: dict[str, int] | None = None, prefetch_reason: dict[str, str] | None = None,
+             snapshots: bool = False) -> Attempt:
         plan = TrainingPlan(policy=name or default, budget=budget, default_policy=default,
                             layer_policy=dict(per_layer or {}), resident=list(resident or []),
                             value_policy=dict(per_value or {}), value_reason=dict(value_reason or {}),
                             resident_reason=dict(resident_reason or {}),
                             prefetch=dict(prefetch or {}), prefetch_reason=dict(prefetch_reason or {}))
-        return build(plan)
+        # Only a plan likely to be chosen as built is built with inspect's snapshots; the
+        # caller builds the chosen plan again with them if it has none.
+        return build(plan, snapshots=True) if snapshots else build(plan)
 
     def deeper_prefetch(a: Attempt) -> Attempt | None:
         """``a`` with every streamed value whose load stalls the compute lane (by the cost
@@ -379,7 +382,7 @@ def plan_training(
     if resident_candidates and not {"resident_parameters", "stream_parameters"} & set(options.disable_passes):
         # Room for everything: parameters used by both passes stay on the device for the
         # step (one load per step instead of two).
-        roomy = make("keep", name="keep (parameters resident)", resident=resident_candidates)
+        roomy = make("keep", name="keep (parameters resident)", resident=resident_candidates, snapshots=True)
         if fits(roomy):
             roomy.plan.reason = (f"everything fits with {len(resident_candidates)} parameter(s) resident for the "
                                  f"step: one load each per step instead of two")

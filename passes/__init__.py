@@ -79,12 +79,17 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, keep_snapshots: bool = True
         for node in created:
             info(node).created_by = p.NAME
         ctx.ran.append(p.NAME)
-        gm.graph.lint()
+        if keep_snapshots:
+            # The graph a plan will run is built with snapshots: it is linted after every
+            # pass, so a broken graph names its pass. Candidates are linted once, at the end.
+            gm.graph.lint()
         invariants.check(gm, ctx)
         if keep_snapshots:
             title = f"{ctx.stage} graph: after {p.NAME} (+{len(created)} nodes, -{len(before - after)})"
             ctx.snapshots.append(
                 GraphSnapshot(ctx.stage, p.NAME, format_graph(gm, title), len(created), len(before - after), elapsed)
             )
+    if not keep_snapshots:
+        gm.graph.lint()
     gm.recompile()
     return gm

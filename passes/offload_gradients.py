@@ -49,6 +49,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         indices = list(range(len(outs)))
     offloaded: dict[fx.Node, fx.Node] = {}
     host_casts: list[fx.Node] = []
+    order = _order(graph)  # positions of the nodes as captured (insertions keep their order)
     for index in indices:
         value = outs[index]
         if not isinstance(value, fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
@@ -89,8 +90,10 @@ def run(gm: fx.GraphModule, ctx) -> None:
             o is value and info(o).decision != "offload" for o in outs[ctx.num_user_outputs:]
         )
         if not keeps_on_device:
-            order = _order(graph)
-            last = max(users + [host], key=order.__getitem__)
+            if any(u not in order for u in users):  # a node this loop inserted: number them again
+                order = _order(graph)
+            # ``host`` sits right after ``value``: no reader of ``value`` comes before it.
+            last = max(users, key=order.__getitem__) if users else host
             with graph.inserting_after(last):
                 evict = graph.create_node("call_function", ops.evict, (value,), name=f"evict__{name}")
             evict.meta["megatrain"] = NodeInfo(layer=info(value).layer, role="memory", phase=info(value).phase,

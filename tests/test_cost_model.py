@@ -74,6 +74,28 @@ def test_linear_forward_flops_match_flop_counter_mode():
     assert ours == counter.get_total_flops() == 2 * 35 * (32 * 64 + 64 * 48 + 48 * 8)
 
 
+def test_remembered_flops_follow_node_copies_and_are_dropped_when_the_value_changes():
+    """The planner counts a joint graph's FLOPs once (``remember_flops``): copies of a node
+    into a candidate's graphs reuse the count; a node whose result changed is counted again."""
+    a, b = torch.randn(16, 32), torch.randn(32, 8)
+    gm = make_fx(lambda a, b: torch.mm(a, b).relu(), tracing_mode="fake")(a, b)
+    cm.remember_flops(gm)
+    mm = _nodes(gm, aten.mm.default)[0]
+    assert mm.meta["megatrain_flops"][1] == 2 * 16 * 8 * 32
+    copy = fx.Graph()
+    env = {}
+    for n in gm.graph.nodes:
+        env[n] = copy.node_copy(n, lambda x: env[x])
+    copied = env[mm]
+    assert cm.node_flops(copied) == 2 * 16 * 8 * 32
+    # The same op on other sizes (a pass replaced the result): counted from its tensors.
+    with FakeTensorMode():
+        copied.meta = dict(copied.meta, val=torch.empty(16, 4))
+        for arg, shape in zip(copied.args, ((16, 32), (32, 4))):
+            arg.meta = dict(arg.meta, val=torch.empty(*shape))
+    assert cm.node_flops(copied) == 2 * 16 * 4 * 32
+
+
 def test_op_without_formula_is_counted_through_its_decomposition():
     """aten.linear has no formula; FlopCounterMode counts what it decomposes to (on meta)."""
     with FakeTensorMode():
