@@ -81,13 +81,18 @@ ATTN_IMPLEMENTATION = "megatrain_host_sdpa"
 # fp32: fp32 weights (pinned: streamed to the device) + fp32 gradients (pinned: they land
 #   there from the device) | AdamW exp_avg + exp_avg_sq (pageable: only the host optimizer
 #   touches them) = 4 + 4 | 8 = 16 B/param.
-# bf16: bf16 weights (pinned, streamed) + fp32 gradients (pinned, accumulated on the host) |
-#   fp32 master weights + fp32 exp_avg + exp_avg_sq (pageable) = 2 + 4 | 4 + 8 = 18 B/param.
+# bf16: the same fp32 state as the runtime keeps it (passes/host_casts.py): fp32 master weights
+#   (cast to bf16 on the host right before each load, into a transient pinned staging copy) +
+#   fp32 gradients (widened on the host from the bf16 copy that crosses) + exp_avg + exp_avg_sq,
+#   none of them read by a copy engine (pageable) = 4 + 4 + 8 = 16 B/param; the staging copies
+#   live a layer or two (``last_report().host_staging_peak_bytes`` measures them).
+# Either precision: 12 B/param when the optimizer step overlaps the backward (each gradient
+#   consumed as it lands, no gradient buffer kept; ``overlap_optimizer``).
 HOST_BYTES_PER_PARAM = {
     "fp32": {"weights": (4, "pinned"), "gradients": (4, "pinned"), "optimizer_states": (8, "pageable")},
-    "bf16": {"weights": (2, "pinned"), "gradients": (4, "pinned"), "master_weights": (4, "pageable"),
-             "optimizer_states": (8, "pageable")},
+    "bf16": {"weights": (4, "pageable"), "gradients": (4, "pageable"), "optimizer_states": (8, "pageable")},
 }
+OVERLAPPED_HOST_BYTES_PER_PARAM = 12
 _DEVICE_PARAM_BYTES = {"fp32": 4, "bf16": 2}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -885,8 +890,9 @@ def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int 
     """Host memory of the training state, split into what the runtime pins and what it does not.
 
     Pinned: the weights the device streams in and the gradient buffers it streams back into
-    (and the host copies of offloaded activations). Pageable: what only the host optimizer
-    touches (AdamW's two moments; in bf16 also the fp32 master weights). See
+    (and the host copies of offloaded activations). Pageable: what no copy engine reads
+    (AdamW's two moments; in bf16 the fp32 weights and gradients too, since the bf16 copies
+    that cross are transient staging). See
     ``HOST_BYTES_PER_PARAM`` for the bytes per parameter.
     """
     parts = {name: (num_params * nbytes, kind) for name, (nbytes, kind) in HOST_BYTES_PER_PARAM[precision].items()}
@@ -898,6 +904,7 @@ def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int 
         "parts": {name: n for name, (n, _) in parts.items()},
         "pinned_bytes": pinned, "pageable_bytes": pageable, "total_bytes": pinned + pageable,
         "bytes_per_param": sum(nbytes for nbytes, _ in HOST_BYTES_PER_PARAM[precision].values()),
+        "overlapped_bytes_per_param": OVERLAPPED_HOST_BYTES_PER_PARAM,
     }
 
 
@@ -1294,9 +1301,11 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
             "parts_bytes": host["parts"], "bytes_per_param": host["bytes_per_param"],
             "layout": {
                 "fp32": "pinned: fp32 weights (4 B) + fp32 gradients (4 B); pageable: AdamW exp_avg + exp_avg_sq (8 B)",
-                "bf16": "pinned: bf16 weights streamed to the device (2 B) + fp32 gradients (4 B); pageable: fp32 "
-                        "master weights (4 B) + AdamW exp_avg + exp_avg_sq (8 B)",
-            }[precision] + ("; plus offloaded activations (pinned)" if plan.offloaded_activation_bytes else ""),
+                "bf16": "pageable: fp32 master weights (4 B) + fp32 gradients (4 B) + AdamW exp_avg + exp_avg_sq "
+                        "(8 B); the bf16 copies that cross the link are transient pinned staging",
+            }[precision] + ("; plus offloaded activations (pinned)" if plan.offloaded_activation_bytes else "")
+              + f"; {OVERLAPPED_HOST_BYTES_PER_PARAM} B/param when the optimizer step overlaps the backward "
+                "(gradients consumed as they land)",
         },
         transfers={
             "h2d_bytes": plan.h2d_bytes, "d2h_bytes": plan.d2h_bytes,
@@ -1366,7 +1375,8 @@ def format_text(r: dict) -> str:
         f"host memory        {ok(host['fits'])}",
         f"  total            {gib(host['total_bytes'])} of "
         f"{gib(host['capacity_bytes']) if host['capacity_bytes'] else 'unknown (not checked)'}"
-        f" ({host['bytes_per_param']} B/param)",
+        f" ({host['bytes_per_param']} B/param; {host['overlapped_bytes_per_param']} B/param when the optimizer step "
+        f"overlaps the backward)",
         f"  pinned           {gib(host['pinned_bytes'])}",
         f"  pageable         {gib(host['pageable_bytes'])}",
         "  parts            " + ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in host["parts_bytes"].items()),

@@ -198,11 +198,13 @@ def test_host_bytes_per_parameter():
     fp32 = plan_cmd.host_bytes(1000, "fp32")
     assert fp32["bytes_per_param"] == 16 and fp32["total_bytes"] == 16000
     assert fp32["pinned_bytes"] == 8000 and fp32["pageable_bytes"] == 8000  # weights + grads | AdamW states
+    # bf16 keeps the same fp32 state on the host as fp32 (the runtime's layout: its bf16 copies
+    # are transient staging); tests/test_bf16.py checks these numbers against a real run.
     bf16 = plan_cmd.host_bytes(1000, "bf16", offloaded_activation_bytes=500)
-    assert bf16["bytes_per_param"] == 18
-    assert bf16["parts"] == {"weights": 2000, "gradients": 4000, "master_weights": 4000,
-                             "optimizer_states": 8000, "offloaded_activations": 500}
-    assert bf16["pinned_bytes"] == 6500 and bf16["pageable_bytes"] == 12000
+    assert bf16["bytes_per_param"] == 16 and bf16["overlapped_bytes_per_param"] == 12
+    assert bf16["parts"] == {"weights": 4000, "gradients": 4000, "optimizer_states": 8000,
+                             "offloaded_activations": 500}
+    assert bf16["pinned_bytes"] == 500 and bf16["pageable_bytes"] == 16000
 
 
 # --- plan_model ---------------------------------------------------------------------------------
@@ -241,7 +243,7 @@ def test_plan_model_bf16():
     fp32 = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=64, precision="fp32")
     bf16 = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=64, precision="bf16")
     n = presets.count_parameters(cfg)
-    assert bf16.host["total_bytes"] == 18 * n
+    assert bf16.host["total_bytes"] == 16 * n == fp32.host["total_bytes"]
     assert bf16.transfers["d2h"]["gradients"] == 2 * n == fp32.transfers["d2h"]["gradients"] // 2
     assert bf16.trace.policies["keep"].saved_device < fp32.trace.policies["keep"].saved_device
     assert bf16.time["flops"] == fp32.time["flops"]
