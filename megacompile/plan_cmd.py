@@ -1299,6 +1299,7 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
             "fits": host_fits, "capacity_bytes": host_memory, "total_bytes": host["total_bytes"],
             "pinned_bytes": host["pinned_bytes"], "pageable_bytes": host["pageable_bytes"],
             "parts_bytes": host["parts"], "bytes_per_param": host["bytes_per_param"],
+            "overlapped_bytes_per_param": host["overlapped_bytes_per_param"],
             "layout": {
                 "fp32": "pinned: fp32 weights (4 B) + fp32 gradients (4 B); pageable: AdamW exp_avg + exp_avg_sq (8 B)",
                 "bf16": "pageable: fp32 master weights (4 B) + fp32 gradients (4 B) + AdamW exp_avg + exp_avg_sq "
