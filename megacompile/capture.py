@@ -231,7 +231,12 @@ class TrainingCompiler:
         both_phases = [info(n).source for n in used_in_both_phases(joint)]
         chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases, joint=joint)
         if not chosen.snapshots:  # built as a candidate: again, with inspect's snapshots
+            priced = chosen.peak
             chosen = build(chosen.plan, snapshots=True)
+            if chosen.peak != priced:  # building is a pure function of the plan; the budget check relies on it
+                raise RuntimeError(
+                    f"megatrain internal error: plan '{chosen.plan.policy}' built again peaks at {chosen.peak} "
+                    f"bytes, not the {priced} it was chosen at; please report this with the model")
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = chosen.snapshots
         COMPILED.append(self.record)
