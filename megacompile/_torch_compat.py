@@ -99,6 +99,13 @@ def extract_forward_backward(
     return fn(joint, saved_values, saved_sym_nodes=saved_sym_nodes, **kwargs)
 
 
+def save_everything_partition(joint: fx.GraphModule, num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split a joint graph saving every forward value the backward reads (no recompute):
+    AOTAutograd's ``default_partition``. Used for a marked layer's own joint graph, which
+    AOTAutograd partitions once per distinct layer; the streaming passes decide later."""
+    return _partitioners.default_partition(joint, [], num_fwd_outputs=num_fwd_outputs)
+
+
 def is_sym_node(node: fx.Node) -> bool:
     from torch.fx.experimental.proxy_tensor import is_sym_node as _is_sym_node
 

@@ -65,7 +65,8 @@ def check_placement(example_inputs: list, names: list[str], roles: list[str]) ->
 
 def _unsupported_reason(gm: fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, compat.HigherOrderOperator):
+        if node.op == "call_function" and isinstance(node.target, compat.HigherOrderOperator) \
+                and not compat.is_invoke_subgraph(node.target):
             return (f"the graph calls the higher-order op '{node.target.__name__}', whose subgraphs the "
                     f"streaming passes cannot rewrite yet")
     return None
@@ -138,9 +139,13 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     )
     if not needs_grad:
         return _host_region(gm, example_inputs, opts)
-    # Layers marked with torch.compiler.nested_compile_region: Dynamo traced each body once;
-    # the passes need every call's ops in place.
-    inline_nested_regions(gm)
+    # Layers marked with torch.compiler.nested_compile_region: Dynamo traced each body once.
+    # AOTAutograd then traces and partitions each distinct body once too, and the step's
+    # partitioner inlines the partitioned bodies per call (capture.TrainingCompiler.partition).
+    # Under autocast (bf16) the calls are inlined here instead, before AOTAutograd, so that
+    # every op is traced inside the one autocast region the graph is wrapped in.
+    if opts.autocast_dtype is not None:
+        inline_nested_regions(gm)
     reason = _unsupported_reason(gm)
     if reason is not None:
         return _fallback(gm, example_inputs, opts, reason)

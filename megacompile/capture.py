@@ -182,8 +182,15 @@ class TrainingCompiler:
     # --- AOTAutograd callbacks ----------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_unused):
         from .hardware import get_profile
+        from .inline_regions import inline_partitioned_regions
         from .planner import Attempt, plan_training
 
+        if isinstance(joint_inputs, (list, tuple)) and len(joint_inputs) == 0:
+            # AOTAutograd partitions a nested_compile_region body's own joint graph (once per
+            # distinct body, with no inputs) before the step's: save everything its backward
+            # reads. The step's plan decides keep / offload / recompute on the inlined copies.
+            return compat.save_everything_partition(joint, num_fwd_outputs)
+        inline_partitioned_regions(joint)
         joint._megatrain_num_fwd_outputs = num_fwd_outputs
 
         def build(plan: TrainingPlan, snapshots: bool = False) -> Attempt:
@@ -292,6 +299,9 @@ class TrainingCompiler:
 
     @torch.compiler.disable
     def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Any:
+        from .inline_regions import inline_nested_regions
+
+        inline_nested_regions(gm)  # marked layers' calls, as traced (nothing partitioned)
         plan = TrainingPlan(policy="inference", budget=self.options.memory_budget)
         ctx = self._ctx("inference", plan)
         run_passes(gm, ctx)

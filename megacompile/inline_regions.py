@@ -45,6 +45,85 @@ def _renamed_stack(stack: dict, old: str | None, new: str | None, outer: dict) -
     return renamed
 
 
+def _body_path(body: fx.GraphModule) -> str | None:
+    """Like ``_region_path``, also reading the forward module paths backward ops carry."""
+    paths = []
+    for n in body.graph.nodes:
+        for key in ("nn_module_stack", "fwd_nn_module_stack"):
+            for path, _ in (n.meta.get(key) or {}).values():
+                paths.append(path)
+    return min(paths, key=len) if paths else None
+
+
+def inline_partitioned_regions(joint: fx.GraphModule) -> int:
+    """Replaces the forward and backward ``invoke_subgraph`` calls of an AOTAutograd joint
+    graph by copies of their (already partitioned) bodies, in place; returns how many.
+
+    AOTAutograd traces a marked layer's forward and backward once and partitions that joint
+    once (``capture.TrainingCompiler.partition`` saves everything the backward reads); the
+    joint graph of the step then calls the forward body per layer and the backward body per
+    layer, paired by ``meta["custom"]["call_id"]``. Each copy gets the call's partitioner
+    tag (forward or backward) and module paths renamed to the call site's layer (a backward
+    call takes its forward call's), so the passes see an ordinary flat joint graph.
+    """
+    graph = joint.graph
+    calls = [n for n in graph.nodes if n.op == "call_function" and compat.is_invoke_subgraph(n.target)]
+    if not calls:
+        return 0
+    site_by_call_id: dict = {}
+    for call in calls:
+        path = _call_site_path(call)
+        call_id = (call.meta.get("custom") or {}).get("call_id")
+        if path and call_id is not None:
+            site_by_call_id[call_id] = (path, {k: v for k, v in call.meta["nn_module_stack"].items() if v[0] != path})
+    bodies = {call.args[0].target for call in calls}
+    for call in calls:
+        body_node = call.args[0]
+        body = getattr(joint, body_node.target)
+        operands = list(call.args[2:])
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(operands):
+            raise ValueError(f"invoke_subgraph '{call.name}': {len(operands)} operands for "
+                             f"{len(placeholders)} body inputs")
+        env: dict[fx.Node, fx.Node] = dict(zip(placeholders, operands))
+        call_id = (call.meta.get("custom") or {}).get("call_id")
+        new, outer = site_by_call_id.get(call_id, (None, {}))
+        old = _body_path(body)
+        tag = call.meta.get("partitioner_tag")
+        outputs = None
+        with graph.inserting_before(call):
+            for n in body.graph.nodes:
+                if n.op == "placeholder":
+                    continue
+                if n.op == "output":
+                    outputs = fx.node.map_arg(n.args[0], lambda a: env[a])
+                    continue
+                copy = graph.node_copy(n, lambda a: env[a])
+                copy.meta = dict(n.meta)
+                for key in ("nn_module_stack", "fwd_nn_module_stack"):
+                    if key in n.meta:
+                        copy.meta[key] = _renamed_stack(n.meta[key], old, new, outer)
+                if tag is not None:
+                    copy.meta["partitioner_tag"] = tag
+                env[n] = copy
+        results = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        for user in list(call.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                graph.erase_node(user)
+            else:
+                raise ValueError(f"invoke_subgraph '{call.name}' is used by '{user.name}' other than by indexing")
+        graph.erase_node(call)
+        if not body_node.users:
+            graph.erase_node(body_node)
+    still_used = {n.target for n in graph.nodes if n.op == "get_attr"}
+    for name in bodies - still_used:
+        delattr(joint, name)
+    graph.lint()
+    joint.recompile()
+    return len(calls)
+
+
 def inline_nested_regions(gm: fx.GraphModule) -> int:
     """Replaces every ``invoke_subgraph`` call in ``gm`` by a copy of its body (in place).
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import megacompile
+from megacompile import _torch_compat as compat
 from megacompile import backend, inline_regions
 from reference_models import training_state_bytes
 
@@ -45,15 +46,21 @@ class MarkedNet(nn.Module):
 
 
 def test_marked_layers_stream_per_layer_and_equal_eager(monkeypatch):
-    inlined = []
-    original = backend.inline_nested_regions
+    inlined, body_partitions = [], []
+    original = inline_regions.inline_partitioned_regions
+    original_partition = compat.save_everything_partition
 
     def counting(gm):
         n = original(gm)
         inlined.append(n)
         return n
 
-    monkeypatch.setattr(backend, "inline_nested_regions", counting)
+    def counting_partition(joint, num_fwd_outputs):
+        body_partitions.append(joint)
+        return original_partition(joint, num_fwd_outputs)
+
+    monkeypatch.setattr(inline_regions, "inline_partitioned_regions", counting)
+    monkeypatch.setattr(compat, "save_everything_partition", counting_partition)
     torch.manual_seed(0)
     model = MarkedNet()
     reference = copy.deepcopy(model)
@@ -84,8 +91,11 @@ def test_marked_layers_stream_per_layer_and_equal_eager(monkeypatch):
             for p, q in zip(model.parameters(), reference.parameters()):
                 torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
     assert not [w for w in caught if "megatrain" in str(w.message)]  # no fallback
-    # Dynamo traced the block once: every later block came as an invoke_subgraph call.
-    assert inlined and inlined[0] >= 3
+    # Dynamo traced the block once and AOTAutograd traced and partitioned its forward and
+    # backward once: the step's joint graph called the two bodies per block it got as a call
+    # (at least 4 of the 5 blocks: a forward and a backward call each).
+    assert len(body_partitions) == 1
+    assert len(inlined) == 1 and inlined[0] >= 8 and inlined[0] % 2 == 0
     report = megacompile.last_report()
     assert report.measured_peak_device_bytes <= budget
     rows = {r.layer: r for r in report.layers}
@@ -120,3 +130,57 @@ def test_inlining_renames_module_paths_to_the_call_site():
     assert not any("invoke_subgraph" in str(n.target) for n in gm.graph.nodes)
     for i in range(3):
         assert any(p.endswith(f"blocks.{i}.up") for p in paths), (i, sorted(paths))
+
+
+def test_marked_hugging_face_llama_layers_are_traced_and_partitioned_once(monkeypatch):
+    """A stock transformers Llama whose decoder layer class is marked: AOTAutograd partitions
+    the layer's joint graph once for all three layers, the plan streams and recomputes per
+    layer, and training equals eager."""
+    import transformers as T
+
+    body_partitions = []
+    original_partition = compat.save_everything_partition
+
+    def counting_partition(joint, num_fwd_outputs):
+        body_partitions.append(joint)
+        return original_partition(joint, num_fwd_outputs)
+
+    monkeypatch.setattr(compat, "save_everything_partition", counting_partition)
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=3, max_position_embeddings=64, use_cache=False))
+    reference = copy.deepcopy(model)
+    layer_class = type(model.model.layers[0])
+    monkeypatch.setattr(layer_class, "forward", torch.compiler.nested_compile_region(layer_class.forward))
+
+    def make(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def step(x):
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        return step
+
+    compiled = torch.compile(make(model), backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", "memory_budget": 600_000})
+    eager = make(reference)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randint(0, 96, (2, 16), generator=gen)
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    assert len(body_partitions) == 1
+    report = megacompile.last_report()
+    assert report.measured_peak_device_bytes == report.planned_peak_device_bytes <= 600_000
+    rows = {r.layer: r for r in report.layers}
+    per_layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    for i in range(3):
+        row = rows[f"model.layers.{i}"]
+        assert row.param_bytes == per_layer and row.h2d_bytes >= per_layer
+        assert row.recomputed_ops == rows["model.layers.0"].recomputed_ops  # one decision, the same ops
