@@ -55,41 +55,29 @@ def _body_path(body: fx.GraphModule) -> str | None:
     return min(paths, key=len) if paths else None
 
 
-def inline_partitioned_regions(joint: fx.GraphModule) -> int:
-    """Replaces the forward and backward ``invoke_subgraph`` calls of an AOTAutograd joint
-    graph by copies of their (already partitioned) bodies, in place; returns how many.
+def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of) -> int:
+    """Replaces every ``invoke_subgraph`` call in ``gm`` by a copy of its body (in place).
 
-    AOTAutograd traces a marked layer's forward and backward once and partitions that joint
-    once (``capture.TrainingCompiler.partition`` saves everything the backward reads); the
-    joint graph of the step then calls the forward body per layer and the backward body per
-    layer, paired by ``meta["custom"]["call_id"]``. Each copy gets the call's partitioner
-    tag (forward or backward) and module paths renamed to the call site's layer (a backward
-    call takes its forward call's), so the passes see an ordinary flat joint graph.
+    ``call_site(call)``: (the call site's module path, its enclosing modules' stack entries);
+    ``body_path(body)``: the module path the body was traced at, renamed to the call site's
+    in every copied node's module stacks; ``tag_of(call)``: a partitioner tag for the copies,
+    or None to keep theirs. Returns how many calls were inlined.
     """
-    graph = joint.graph
+    graph = gm.graph
     calls = [n for n in graph.nodes if n.op == "call_function" and compat.is_invoke_subgraph(n.target)]
     if not calls:
         return 0
-    site_by_call_id: dict = {}
-    for call in calls:
-        path = _call_site_path(call)
-        call_id = (call.meta.get("custom") or {}).get("call_id")
-        if path and call_id is not None:
-            site_by_call_id[call_id] = (path, {k: v for k, v in call.meta["nn_module_stack"].items() if v[0] != path})
     bodies = {call.args[0].target for call in calls}
     for call in calls:
         body_node = call.args[0]
-        body = getattr(joint, body_node.target)
+        body = getattr(gm, body_node.target)
         operands = list(call.args[2:])
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(operands):
             raise ValueError(f"invoke_subgraph '{call.name}': {len(operands)} operands for "
                              f"{len(placeholders)} body inputs")
         env: dict[fx.Node, fx.Node] = dict(zip(placeholders, operands))
-        call_id = (call.meta.get("custom") or {}).get("call_id")
-        new, outer = site_by_call_id.get(call_id, (None, {}))
-        old = _body_path(body)
-        tag = call.meta.get("partitioner_tag")
+        (new, outer), old, tag = call_site(call), body_path(body), tag_of(call)
         outputs = None
         with graph.inserting_before(call):
             for n in body.graph.nodes:
@@ -118,58 +106,40 @@ def inline_partitioned_regions(joint: fx.GraphModule) -> int:
             graph.erase_node(body_node)
     still_used = {n.target for n in graph.nodes if n.op == "get_attr"}
     for name in bodies - still_used:
-        delattr(joint, name)
+        delattr(gm, name)
     graph.lint()
-    joint.recompile()
+    gm.recompile()
     return len(calls)
+
+
+def _own_site(call: fx.Node) -> tuple[str | None, dict]:
+    new = _call_site_path(call)
+    return new, {k: v for k, v in (call.meta.get("nn_module_stack") or {}).items() if v[0] != new}
+
+
+def inline_partitioned_regions(joint: fx.GraphModule) -> int:
+    """Replaces the forward and backward ``invoke_subgraph`` calls of an AOTAutograd joint
+    graph by copies of their (already partitioned) bodies, in place; returns how many.
+
+    AOTAutograd traces a marked layer's forward and backward once and partitions that joint
+    once (``capture.TrainingCompiler.partition`` saves everything the backward reads); the
+    joint graph of the step then calls the forward body per layer and the backward body per
+    layer, paired by ``meta["custom"]["call_id"]``. Each copy gets the call's partitioner
+    tag (forward or backward) and module paths renamed to the call site's layer (a backward
+    call takes its forward call's), so the passes see an ordinary flat joint graph.
+    """
+    def call_id(call: fx.Node):
+        return (call.meta.get("custom") or {}).get("call_id")
+
+    forward_sites = {}
+    for n in joint.graph.nodes:
+        if n.op == "call_function" and compat.is_invoke_subgraph(n.target) and _call_site_path(n):
+            forward_sites[call_id(n)] = _own_site(n)
+    return _inline_calls(joint, lambda call: forward_sites.get(call_id(call), (None, {})), _body_path,
+                         lambda call: call.meta.get("partitioner_tag"))
 
 
 def inline_nested_regions(gm: fx.GraphModule) -> int:
-    """Replaces every ``invoke_subgraph`` call in ``gm`` by a copy of its body (in place).
-
-    Returns how many calls were inlined.
-    """
-    graph = gm.graph
-    calls = [n for n in graph.nodes if n.op == "call_function" and compat.is_invoke_subgraph(n.target)]
-    bodies = {call.args[0].target for call in calls}
-    for call in calls:
-        body_node = call.args[0]
-        body = getattr(gm, body_node.target)
-        operands = list(call.args[2:])
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != len(operands):
-            raise ValueError(f"invoke_subgraph '{call.name}': {len(operands)} operands for "
-                             f"{len(placeholders)} body inputs")
-        env: dict[fx.Node, fx.Node] = dict(zip(placeholders, operands))
-        old, new = _region_path(body), _call_site_path(call)
-        outer = {k: v for k, v in (call.meta.get("nn_module_stack") or {}).items() if v[0] != new}
-        outputs = None
-        with graph.inserting_before(call):
-            for n in body.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    outputs = fx.node.map_arg(n.args[0], lambda a: env[a])
-                    continue
-                copy = graph.node_copy(n, lambda a: env[a])
-                copy.meta = dict(n.meta)
-                if "nn_module_stack" in n.meta:
-                    copy.meta["nn_module_stack"] = _renamed_stack(n.meta["nn_module_stack"], old, new, outer)
-                env[n] = copy
-        results = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-        for user in list(call.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(results[user.args[1]])
-                graph.erase_node(user)
-            else:
-                raise ValueError(f"invoke_subgraph '{call.name}' is used by '{user.name}' other than by indexing")
-        graph.erase_node(call)
-        if not body_node.users:
-            graph.erase_node(body_node)
-    if calls:
-        still_used = {n.target for n in graph.nodes if n.op == "get_attr"}
-        for name in bodies - still_used:
-            delattr(gm, name)
-        graph.lint()
-        gm.recompile()
-    return len(calls)
+    """Replaces every ``invoke_subgraph`` call of a Dynamo graph by a copy of its body, as
+    traced (in place). Returns how many calls were inlined."""
+    return _inline_calls(gm, _own_site, _region_path, lambda call: None)

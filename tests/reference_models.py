@@ -142,3 +142,18 @@ def make_training_step(model: nn.Module, loss_fn, lr: float = 1e-3):
         return loss.detach()
 
     return step, opt
+
+
+def labels_training_step(model: nn.Module, lr: float = 1e-3):
+    """``step(x)`` for a Hugging Face causal LM trained from ``labels=x`` (its own shifted
+    cross entropy: the loss graph users get from ``transformers``), AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step(x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import megacompile
 from megacompile import _torch_compat as compat
-from megacompile import backend, inline_regions
+from megacompile import inline_regions
 from reference_models import training_state_bytes
 
 
@@ -136,7 +136,7 @@ def test_marked_hugging_face_llama_layers_are_traced_and_partitioned_once(monkey
     """A stock transformers Llama whose decoder layer class is marked: AOTAutograd partitions
     the layer's joint graph once for all three layers, the plan streams and recomputes per
     layer, and training equals eager."""
-    import transformers as T
+    from reference_models import labels_training_step, tiny_llama
 
     body_partitions = []
     original_partition = compat.save_everything_partition
@@ -147,28 +147,14 @@ def test_marked_hugging_face_llama_layers_are_traced_and_partitioned_once(monkey
 
     monkeypatch.setattr(compat, "save_everything_partition", counting_partition)
     torch.manual_seed(0)
-    model = T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=3, max_position_embeddings=64, use_cache=False))
+    model = tiny_llama(3)
     reference = copy.deepcopy(model)
     layer_class = type(model.model.layers[0])
     monkeypatch.setattr(layer_class, "forward", torch.compiler.nested_compile_region(layer_class.forward))
 
-    def make(m):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-
-        def step(x):
-            loss = m(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
-        return step
-
-    compiled = torch.compile(make(model), backend="megatrain",
-                             options={"device": "cpu", "lowering": "eager", "memory_budget": 600_000})
-    eager = make(reference)
+    compiled = torch.compile(labels_training_step(model), backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", "memory_budget": 700_000})
+    eager = labels_training_step(reference)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         x = torch.randint(0, 96, (2, 16), generator=gen)
@@ -177,7 +163,7 @@ def test_marked_hugging_face_llama_layers_are_traced_and_partitioned_once(monkey
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
     assert len(body_partitions) == 1
     report = megacompile.last_report()
-    assert report.measured_peak_device_bytes == report.planned_peak_device_bytes <= 600_000
+    assert report.measured_peak_device_bytes == report.planned_peak_device_bytes <= 700_000
     rows = {r.layer: r for r in report.layers}
     per_layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     for i in range(3):

@@ -5,32 +5,22 @@ import copy
 
 import pytest
 import torch
-import transformers as T
 
 import megacompile
 from megacompile import _torch_compat as compat
 from megacompile.runtime.segment_cache import segment_structure
+from reference_models import labels_training_step, tiny_llama
 
 
 def _llama(layers: int):
     torch.manual_seed(0)
-    return T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=layers, max_position_embeddings=64, use_cache=False))
+    return tiny_llama(layers)
 
 
 def _train(model, options, steps: int):
     """``steps`` AdamW steps with the loss from ``labels`` (HF's cross entropy: a multi-output
     ``nll_loss_forward`` whose second result is read past a segment boundary)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step(x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = labels_training_step(model)
     if options is not None:
         step = torch.compile(step, backend="megatrain", options=options)
     gen = torch.Generator().manual_seed(1)
