@@ -130,16 +130,11 @@ def inductor_lowering(layers: int, reuse: bool) -> tuple[float, int, int]:
     model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                              num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
                                              max_position_embeddings=64, use_cache=False))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from reference_models import labels_training_step
 
-    def step(x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    compiled = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "inductor"})
+    compiled = torch.compile(labels_training_step(model, lr=1e-4), backend="megatrain",
+                             options={"device": "cpu", "lowering": "inductor"})
     original = segment_cache.segment_structure
     if not reuse:
         segment_cache.segment_structure = lambda gm: object()  # a key no other segment has

@@ -26,6 +26,9 @@ import transformers as T
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import cpu_model, write_result  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from reference_models import labels_training_step  # noqa: E402
+
 
 def _model():
     torch.manual_seed(0)
@@ -35,23 +38,16 @@ def _model():
 
 
 def _step(model, variant: str):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def loss_under_autocast(x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return model(input_ids=x, labels=x).loss
 
     if variant == "megatrain":
-        def step(x):
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
-        return torch.compile(step, backend="megatrain",
+        return torch.compile(labels_training_step(model), backend="megatrain",
                              options={"device": "cpu", "lowering": "inductor", "precision": "bf16"})
     forward = torch.compile(loss_under_autocast) if variant == "inductor" else loss_under_autocast
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(x):
         loss = forward(x)
