@@ -57,6 +57,20 @@ def _resolve(template: Any, env: list) -> Any:
     return template
 
 
+_aten = torch.ops.aten
+# Ops Inductor lowers to a call of the vendor library (BLAS / cuBLAS, oneDNN / cuDNN, flash
+# attention) under its default settings: compiling them adds a wrapper and no fusion.
+_LIBRARY_KERNELS = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten.convolution.default, _aten.convolution_backward.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_flash_attention_backward.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_efficient_attention_backward.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+
+
 def _is_trivial(node: fx.Node) -> bool:
     """Views and tuple access: nothing for a compiler to fuse, so they run as they are."""
     import operator
@@ -120,10 +134,33 @@ class StreamingProgram:
         def template(a: Any) -> Any:
             return fx.node.map_arg(a, lambda n: _Slot(slot_of(n)))
 
+        def op_instruction(node: fx.Node) -> Instruction:
+            return Instruction("op", [slot_of(node)], (template(node.args), template(node.kwargs)),
+                               fn=node.target, name=node.name, layer=info(node).layer if has_info(node) else None)
+
+        def emit(run: list[fx.Node]) -> None:
+            if not run:
+                return
+            if all(_is_trivial(n) for n in run):  # views and tuple access only: nothing to compile
+                self.instructions.extend(op_instruction(n) for n in run)
+            else:
+                self.instructions.append(self._segment(run, slot_of, nodes))
+
         def flush() -> None:
-            if pending:
-                self.instructions.append(self._segment(pending, slot_of, nodes))
-                pending.clear()
+            # A library kernel (a GEMM, a convolution, attention) is a call Inductor would make
+            # too, with no fusion around it by default: it runs directly, and the runs of
+            # ops between such calls become the compiled segments (no compiled wrapper around
+            # a lone matmul).
+            run: list[fx.Node] = []
+            for n in pending:
+                if n.target in _LIBRARY_KERNELS:
+                    emit(run)
+                    run = []
+                    self.instructions.append(op_instruction(n))
+                else:
+                    run.append(n)
+            emit(run)
+            pending.clear()
 
         for node in nodes:
             if node.op == "placeholder":
@@ -160,10 +197,7 @@ class StreamingProgram:
                     pending.append(node)
                 else:
                     flush()
-                    self.instructions.append(
-                        Instruction("op", [slot_of(node)], (template(node.args), template(node.kwargs)),
-                                    fn=node.target, name=node.name, layer=info(node).layer if has_info(node) else None)
-                    )
+                    self.instructions.append(op_instruction(node))
         self.num_slots = len(slot)
         # Transient host copies: a host op's result on its way to a load (a bf16 cast of a
         # parameter) and an offloaded copy on its way to a host op (a bf16 gradient before
