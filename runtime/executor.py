@@ -157,6 +157,10 @@ class StreamingProgram:
                     emit(run)
                     run = []
                     self.instructions.append(op_instruction(n))
+                elif not run and _is_trivial(n):
+                    # A view or getitem leading a run (a kernel's results taken apart) runs as
+                    # it is: the segment then starts from tensors, not from a kernel's tuple.
+                    self.instructions.append(op_instruction(n))
                 else:
                     run.append(n)
             emit(run)

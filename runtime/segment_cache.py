@@ -51,13 +51,15 @@ def segment_structure(gm: fx.GraphModule) -> tuple:
     return tuple(out)
 
 
-def input_signature(inputs: list) -> tuple:
-    """What a compiled segment assumes about its inputs."""
+def input_signature(inputs) -> tuple:
+    """What a compiled segment assumes about its inputs (tensors by metadata, never values)."""
     sig = []
     for t in inputs:
         if isinstance(t, torch.Tensor):
             sig.append(("tensor", tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, t.device.index,
                         t.requires_grad))
+        elif isinstance(t, (tuple, list)):
+            sig.append((type(t).__name__, input_signature(t)))
         else:
             sig.append((type(t).__name__, repr(t)))
     return tuple(sig)
