@@ -113,13 +113,13 @@ def is_tensor_node(node: fx.Node) -> bool:
 
 def is_view_node(node: fx.Node) -> bool:
     """Ops whose output aliases an input's storage (views), so they allocate nothing."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, _compat_op_overload()):
+    if node.op != "call_function":
         return False
+    target = node.target
     view = _IS_VIEW.get(target)
-    if view is None:  # read from the schema once per op (the planner asks millions of times)
-        view = target in _UNDECLARED_VIEWS or any(
-            r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+    if view is None:  # decided once per target (the planner asks millions of times)
+        view = isinstance(target, _compat_op_overload()) and (target in _UNDECLARED_VIEWS or any(
+            r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns))
         _IS_VIEW[target] = view
     return view
 

@@ -9,7 +9,7 @@ own NodeInfo (the joint graph's must not change when a forward pass rewrites its
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 import torch.fx as fx
 
@@ -50,7 +50,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         # Partitioning may share one meta dict between a joint node and its copies.
         node.meta = dict(node.meta)
         old = node.meta.get(META_KEY)
-        ni = dataclasses.replace(old) if old is not None else NodeInfo()
+        ni = copy.copy(old) if old is not None else NodeInfo()  # a shallow copy, like dataclasses.replace
         node.meta[META_KEY] = ni
         if ctx.stage == "joint":
             ni.decision = ni.reason = None  # a fresh plan decides again
