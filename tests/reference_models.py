@@ -131,8 +131,8 @@ REFERENCE_MODELS = {
 }
 
 
-def make_training_step(model: nn.Module, loss_fn, lr: float = 1e-3):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+def make_training_step(model: nn.Module, loss_fn, lr: float = 1e-3, weight_decay: float = 0.01):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
     def step(x, y):
         loss = loss_fn(model(x), y)

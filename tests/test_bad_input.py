@@ -293,14 +293,7 @@ class CondNet(nn.Module):
 def _train_cond(backend: str | None, steps: int = 3):
     torch.manual_seed(0)
     model = CondNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    step, _ = make_training_step(model, F.mse_loss)
 
     if backend is not None:
         step = torch.compile(step, backend=backend, options=CPU_EAGER if backend == "megatrain" else None)

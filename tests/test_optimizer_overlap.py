@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import megacompile
 from megacompile import overlap
-from reference_models import GPT, MLP, training_state_bytes
+from reference_models import GPT, MLP, make_training_step, training_state_bytes
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
@@ -63,15 +63,8 @@ def optimizer_report() -> dict:
 
 def test_compiled_step_overlaps_and_equals_eager():
     model, reference = pair(MLP)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    step, opt = make_training_step(model, F.mse_loss, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
 
     def check_step(got, x, y) -> bool:
         torch.testing.assert_close(got, eager_step(reference, ref_opt, x, y), rtol=LOSS_RTOL, atol=0)

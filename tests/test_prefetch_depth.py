@@ -21,6 +21,7 @@ import megacompile
 import megacompile.capture as capture
 from megacompile import ops
 from megacompile.node_info import info
+from reference_models import make_training_step
 
 
 class NarrowThenWide(nn.Module):
@@ -42,15 +43,8 @@ def train(budget: int | None):
     torch.manual_seed(0)
     model = NarrowThenWide()
     reference = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    step, _ = make_training_step(model, F.mse_loss)
+    eager_step, _ = make_training_step(reference, F.mse_loss)
 
     options = {"device": "cpu", "lowering": "eager", "hardware": "h100-pcie",
                # Parameters stream (no residency): the prefetch depth is what is decided.
@@ -61,12 +55,7 @@ def train(budget: int | None):
     gen = torch.Generator().manual_seed(2)
     for _ in range(2):
         x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 64, generator=gen)
-        loss = compiled(x, y)
-        ref_loss = F.mse_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(compiled(x, y), eager_step(x, y), rtol=1e-5, atol=0)
     record = next(r for r in reversed(capture.COMPILED) if r.plan is not None and r.plan.policy != "inference")
     return record, megacompile.last_report()
 
