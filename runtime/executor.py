@@ -21,11 +21,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from megacompile import _torch_compat as compat
 from megacompile import ops
 from megacompile.node_info import has_info, info
 
 from . import trace as _trace
 from .device import StreamingDevice
+from .placement import DEVICE_KERNELS, place_constant, retarget_factories, substitute_host_kernels
 
 
 @dataclasses.dataclass
@@ -68,6 +70,7 @@ _LIBRARY_KERNELS = {
     _aten._scaled_dot_product_efficient_attention_backward.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    *DEVICE_KERNELS,
 }
 
 
@@ -120,6 +123,9 @@ class StreamingProgram:
 
     # --- building -------------------------------------------------------------------------
     def _build(self) -> None:
+        # Traced on the host: ops that make tensors name the host device (placement.py).
+        retarget_factories(self.gm, self.device.torch_device)
+        substitute_host_kernels(self.gm, self.device.torch_device)
         nodes = list(self.gm.graph.nodes)
         slot: dict[fx.Node, int] = {}
         self.input_slots: list[int] = []
@@ -175,6 +181,11 @@ class StreamingProgram:
             elif node.op == "get_attr":
                 flush()
                 value = getattr(self.gm, node.target)
+                if any(not (has_info(u) and info(u).placement == "host") for u in node.users):
+                    # Built inside AOTAutograd's tracing, where a fake mode may be active: the
+                    # copy must be a real device tensor, not a fake one.
+                    with compat.no_dispatch_modes():
+                        value = place_constant(value, self.device.torch_device)
                 self.instructions.append(Instruction("const", [slot_of(node)], None, fn=value, name=node.name))
             elif ops.is_memory_op(node):
                 flush()
