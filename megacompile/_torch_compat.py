@@ -204,6 +204,15 @@ def is_dynamo_resume_function_name(name: str) -> bool:
     return name.startswith("__resume_at_")
 
 
+def is_dynamo_resume_code(value) -> bool:
+    """A resume function's code object. 2.13 loads a resume function by its global name
+    (``is_dynamo_resume_function_name``); 2.11 builds one that has a closure from a constant
+    code object (LOAD_CONST code; MAKE_FUNCTION), whose name carries this prefix."""
+    import types
+
+    return isinstance(value, types.CodeType) and value.co_name.startswith("torch_dynamo_resume_in_")
+
+
 def optimizer_has_step_hooks(opt: torch.optim.Optimizer) -> bool:
     """Any step pre/post hook, on this optimizer or global (they could read gradients)."""
     import torch.optim.optimizer as optim_module

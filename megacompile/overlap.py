@@ -51,6 +51,8 @@ _STACK_ONLY = {
     "BUILD_LIST", "BUILD_TUPLE", "BUILD_SLICE", "COPY", "SWAP", "LOAD_CONST", "BINARY_SUBSCR",
     "STORE_SUBSCR", "DELETE_SUBSCR", "POP_TOP", "LIST_EXTEND", "LOAD_FAST", "STORE_FAST",
     "DELETE_FAST", "PUSH_NULL", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR",
+    # Python 3.12 spells slicing of the stack lists with these instead of BUILD_SLICE + *_SUBSCR.
+    "BINARY_SLICE", "STORE_SLICE",
 }
 # Instructions with no effect on what a statement does.
 _IGNORED = {"CACHE", "NOP", "EXTENDED_ARG", "PRECALL", "PUSH_NULL", "RESUME"}
@@ -122,15 +124,21 @@ def _continuation(frame) -> tuple[list[_Instr], _Namespace] | str:
     code, lasti = frame.f_code, frame.f_lasti
     after = _after_call(code, lasti)
     namespace = _Namespace(dict(frame.f_locals), frame.f_globals)
+    # Dynamo's rewrite of a compiled step calls a resume function: loaded by its global name
+    # (torch 2.13), or made from a constant code object when it has a closure (torch 2.11).
     resume_at = next((k for k, i in enumerate(after)
-                      if i.op == "LOAD_GLOBAL" and compat.is_dynamo_resume_function_name(str(i.arg))), None)
+                      if (i.op == "LOAD_GLOBAL" and compat.is_dynamo_resume_function_name(str(i.arg)))
+                      or (i.op == "LOAD_CONST" and compat.is_dynamo_resume_code(i.arg))), None)
     if resume_at is None:
         return after, namespace
-    # Dynamo's rewrite of a compiled step: only stack shuffling may precede its resume call.
+    # Only stack shuffling may precede the resume call.
     if any(i.op not in _STACK_ONLY for i in after[:resume_at]):
         return "the compiled frame does more than resume after backward()"
-    resume = frame.f_globals.get(after[resume_at].arg)
-    resume_code = compat.dynamo_resume_code(resume)
+    if after[resume_at].op == "LOAD_CONST":
+        resume, resume_code = None, after[resume_at].arg
+    else:
+        resume = frame.f_globals.get(after[resume_at].arg)
+        resume_code = compat.dynamo_resume_code(resume)
     if resume_code is None:
         return "Dynamo's resume function was not found"
     body = _instructions(resume_code, 0)
