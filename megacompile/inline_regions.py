@@ -68,6 +68,9 @@ def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of) -> int:
     if not calls:
         return 0
     bodies = {call.args[0].target for call in calls}
+    # Every call site is read before anything is inlined: a backward call may be paired with
+    # its forward call through the forward call's results, which inlining replaces.
+    sites = {call: call_site(call) for call in calls}
     for call in calls:
         body_node = call.args[0]
         body = getattr(gm, body_node.target)
@@ -77,7 +80,7 @@ def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of) -> int:
             raise ValueError(f"invoke_subgraph '{call.name}': {len(operands)} operands for "
                              f"{len(placeholders)} body inputs")
         env: dict[fx.Node, fx.Node] = dict(zip(placeholders, operands))
-        (new, outer), old, tag = call_site(call), body_path(body), tag_of(call)
+        (new, outer), old, tag = sites[call], body_path(body), tag_of(call)
         outputs = None
         with graph.inserting_before(call):
             for n in body.graph.nodes:
@@ -131,12 +134,33 @@ def inline_partitioned_regions(joint: fx.GraphModule) -> int:
     def call_id(call: fx.Node):
         return (call.meta.get("custom") or {}).get("call_id")
 
-    forward_sites = {}
+    forward_sites, forward_calls = {}, {}
     for n in joint.graph.nodes:
         if n.op == "call_function" and compat.is_invoke_subgraph(n.target) and _call_site_path(n):
-            forward_sites[call_id(n)] = _own_site(n)
-    return _inline_calls(joint, lambda call: forward_sites.get(call_id(call), (None, {})), _body_path,
-                         lambda call: call.meta.get("partitioner_tag"))
+            forward_calls[n] = _own_site(n)
+            if call_id(n) is not None:
+                forward_sites[call_id(n)] = forward_calls[n]
+
+    def site(call: fx.Node):
+        if call in forward_calls:
+            return forward_calls[call]
+        if call_id(call) is not None and call_id(call) in forward_sites:
+            return forward_sites[call_id(call)]
+        # torch 2.11 records no call_id: a backward call reads what its forward call saved
+        # (the forward body's extra outputs), which names the forward call. It may also read
+        # the layer's input, the previous forward call's output: the forward call it reads
+        # most from is its own (ties: the later one).
+        reads: dict[fx.Node, int] = {}
+        for operand in call.args[2:]:
+            if (isinstance(operand, fx.Node) and operand.target is operator.getitem
+                    and operand.args[0] in forward_calls):
+                reads[operand.args[0]] = reads.get(operand.args[0], 0) + 1
+        if not reads:
+            return None, {}
+        order = {n: k for k, n in enumerate(forward_calls)}
+        return forward_calls[max(reads, key=lambda f: (reads[f], order[f]))]
+
+    return _inline_calls(joint, site, _body_path, lambda call: call.meta.get("partitioner_tag"))
 
 
 def inline_nested_regions(gm: fx.GraphModule) -> int:
