@@ -50,6 +50,20 @@ class MarkedNet(nn.Module):
         return self.head(x)
 
 
+def _marked_net_under_a_quarter_budget():
+    """A MarkedNet compiled by megatrain under 25% of its training state (streaming forced),
+    with an eager twin from the same weights: (model, twin, compiled step, eager step, budget)."""
+    torch.manual_seed(0)
+    model = MarkedNet()
+    reference = copy.deepcopy(model)
+    step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
+    eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
+    budget = training_state_bytes(model) // 4
+    compiled = torch.compile(step, backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", "memory_budget": budget})
+    return model, reference, compiled, eager_step, budget
+
+
 def test_marked_layers_stream_per_layer_and_equal_eager(monkeypatch):
     inlined, body_partitions = [], []
     original = inline_regions.inline_partitioned_regions
@@ -66,15 +80,7 @@ def test_marked_layers_stream_per_layer_and_equal_eager(monkeypatch):
 
     monkeypatch.setattr(inline_regions, "inline_partitioned_regions", counting)
     monkeypatch.setattr(compat, "save_everything_partition", counting_partition)
-    torch.manual_seed(0)
-    model = MarkedNet()
-    reference = copy.deepcopy(model)
-    step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
-    eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
-
-    budget = training_state_bytes(model) // 4
-    compiled = torch.compile(step, backend="megatrain",
-                             options={"device": "cpu", "lowering": "eager", "memory_budget": budget})
+    model, reference, compiled, eager_step, budget = _marked_net_under_a_quarter_budget()
     gen = torch.Generator().manual_seed(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -182,14 +188,7 @@ def test_backward_calls_pair_with_their_forward_calls_without_call_ids(monkeypat
         return original(gm)
 
     monkeypatch.setattr(inline_regions, "inline_partitioned_regions", without_call_ids)
-    torch.manual_seed(0)
-    model = MarkedNet()
-    reference = copy.deepcopy(model)
-    step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
-    eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
-    budget = training_state_bytes(model) // 4
-    compiled = torch.compile(step, backend="megatrain",
-                             options={"device": "cpu", "lowering": "eager", "memory_budget": budget})
+    model, reference, compiled, eager_step, budget = _marked_net_under_a_quarter_budget()
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)
