@@ -141,6 +141,8 @@ def inline_partitioned_regions(joint: fx.GraphModule) -> int:
             if call_id(n) is not None:
                 forward_sites[call_id(n)] = forward_calls[n]
 
+    order = {n: k for k, n in enumerate(forward_calls)}
+
     def site(call: fx.Node):
         if call in forward_calls:
             return forward_calls[call]
@@ -157,7 +159,6 @@ def inline_partitioned_regions(joint: fx.GraphModule) -> int:
                 reads[operand.args[0]] = reads.get(operand.args[0], 0) + 1
         if not reads:
             return None, {}
-        order = {n: k for k, n in enumerate(forward_calls)}
         return forward_calls[max(reads, key=lambda f: (reads[f], order[f]))]
 
     return _inline_calls(joint, site, _body_path, lambda call: call.meta.get("partitioner_tag"))

@@ -35,6 +35,15 @@ def _rewritten_programs(name, ctor):
     return record.forward, record.backward
 
 
+class _MetaBuildDevice(CpuStandInDevice):
+    """The stand-in, claiming ``meta`` as its device: only a program's build is exercised
+    (the executor retargets to whatever device it runs on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.torch_device = META
+
+
 def _device_arguments(node):
     return [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.device)]
 
@@ -88,13 +97,7 @@ def test_the_executor_retargets_before_it_lowers():
     forward, _ = _rewritten_programs("gpt", lambda: GPT(layers=1))
     gm = copy.deepcopy(forward)
 
-    class OtherDevice(CpuStandInDevice):
-        # Only the build is exercised: the executor retargets to whatever device it runs on.
-        def __init__(self):
-            super().__init__()
-            self.torch_device = META
-
-    StreamingProgram(gm, OtherDevice(), "eager")
+    StreamingProgram(gm, _MetaBuildDevice(), "eager")
     assert placement.host_device_arguments(gm) == []
 
 
@@ -122,13 +125,8 @@ def test_constants_are_placed_as_real_tensors_even_when_built_under_a_fake_mode(
     gm = copy.deepcopy(record.forward)
     assert any(n.op == "get_attr" for n in gm.graph.nodes), "expected the literal as a graph constant"
 
-    class OtherDevice(CpuStandInDevice):
-        def __init__(self):
-            super().__init__()
-            self.torch_device = META
-
     with FakeTensorMode():
-        program = StreamingProgram(gm, OtherDevice(), "eager")
+        program = StreamingProgram(gm, _MetaBuildDevice(), "eager")
     constants = [i.fn for i in program.instructions if i.kind == "const" and isinstance(i.fn, torch.Tensor)]
     assert constants
     assert all(c.device == META and not isinstance(c, FakeTensor) for c in constants)
