@@ -396,7 +396,12 @@ def lower_with(options: Options, device):
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
         on_finish = (lambda: RECORDER.graph_finished(record)) if start_step or record.plan.policy != "inference" else None
         check = size_check(record, options.memory_budget) if part == "forward" else None
+        # The stand-in's copies exist to be measured: where nothing is measured (the Inductor
+        # lowering) they would only cost time, as long as no parameter is updated while a
+        # program that shares it may still read it (the overlapped optimizer updates a layer
+        # mid-backward, and only a separate copy keeps the backward's reads from seeing it).
+        share = device.shares_host_memory and not record.measures_peak and not options.overlaps_optimizer
         return StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
-                                label=f"{record.label} {part}", check_inputs=check)
+                                label=f"{record.label} {part}", check_inputs=check, share_host_memory=share)
 
     return lower

@@ -9,7 +9,10 @@ Two implementations of one interface:
   loads before layer k computes.
 - ``CpuStandInDevice``: runs the same schedule on a machine without a GPU. "Device" tensors
   are separate copies in host RAM, accounted by an ``ArenaTracker``, so every load, evict and
-  offload really happens and the device-side peak is measured.
+  offload really happens and the device-side peak is measured. Where a program does not
+  measure its peak (the Inductor lowering) and nothing updates a parameter while the program
+  runs (no overlapped optimizer), the copies would only burn time: the "device" is host
+  memory, so the executor shares the host tensor instead (``share`` / ``hand_over``).
 
 Both count the bytes moved each way, per layer.
 """
@@ -44,6 +47,9 @@ class TransferStats:
 
 class StreamingDevice:
     kind = "abstract"
+    # Whether the device's memory is the host's own (the CPU stand-in): then a load can share
+    # the host tensor instead of copying it, where nothing depends on the copy being separate.
+    shares_host_memory = False
     # Runtime-trace lanes of the memory ops' issuing side (see runtime/trace.py).
     trace_copy_lanes = {"load": "h2d", "offload": "d2h"}
 
@@ -63,6 +69,15 @@ class StreamingDevice:
 
     def offload(self, device_tensor: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def share(self, host: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
+        """A load without a copy (only where ``shares_host_memory``): the host tensor itself,
+        its bytes still counted as the schedule's host-to-device traffic."""
+        raise NotImplementedError(f"the {self.kind} device cannot share host memory")
+
+    def hand_over(self, device_tensor: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
+        """An offload without a copy (only where ``shares_host_memory``), counted like ``share``."""
+        raise NotImplementedError(f"the {self.kind} device cannot share host memory")
 
     def wait(self, t: torch.Tensor) -> None:
         raise NotImplementedError
@@ -84,6 +99,7 @@ class StreamingDevice:
 
 class CpuStandInDevice(StreamingDevice):
     kind = "cpu"
+    shares_host_memory = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -101,6 +117,16 @@ class CpuStandInDevice(StreamingDevice):
         host = device_tensor.clone(memory_format=torch.preserve_format)
         self.stats.add("d2h", layer, device_tensor.numel() * device_tensor.element_size())
         return host
+
+    def share(self, host, name, layer):
+        self.stats.add("h2d", layer, host.numel() * host.element_size())
+        # A new tensor object over the same memory (and version counter): the program may
+        # drop or wrap it without touching the caller's tensor.
+        return host.detach()
+
+    def hand_over(self, device_tensor, name, layer):
+        self.stats.add("d2h", layer, device_tensor.numel() * device_tensor.element_size())
+        return device_tensor
 
     def wait(self, t):
         return None  # copies on the stand-in are synchronous

@@ -100,8 +100,15 @@ class StreamingProgram:
         make_lander: Callable[[], Any] | None = None,
         label: str = "program",
         check_inputs: Callable[[list], None] | None = None,
+        share_host_memory: bool = False,
     ) -> None:
         self.gm = gm
+        # Loads and offloads share host tensors instead of copying them (the caller decides:
+        # only on a device whose memory is the host's, where no peak is measured and no
+        # parameter changes while a program that read it still runs).
+        if share_host_memory and not device.shares_host_memory:
+            raise ValueError(f"the {device.kind} device cannot share host memory")
+        self.share_host_memory = share_host_memory
         self.label = label  # the name of this program's event in a runtime trace
         # Called with the inputs before anything runs (the plan's re-check at new sizes).
         self.check_inputs = check_inputs
@@ -356,6 +363,7 @@ class StreamingProgram:
             env[s] = None
         device = self.device
         track = self.lowering == "eager"
+        share = self.share_host_memory
         taken_casts: set[int] = set()
         for instr in self.instructions:
             if recorder is not None:
@@ -385,14 +393,20 @@ class StreamingProgram:
                         device.host_staging.track(result)
                 result = None
             elif kind == "load":
-                env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer, track)
+                if share:
+                    env[instr.out[0]] = device.share(env[instr.args[0]], instr.fn, instr.layer)
+                else:
+                    env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer, track)
             elif kind == "wait":
                 if env[instr.args[0]] is not None:  # None: a gradient the lander took over
                     device.wait(env[instr.args[0]])
             elif kind == "evict":
                 device.evict(env[instr.args[0]])
             elif kind == "offload":
-                host = device.offload(env[instr.args[0]], instr.fn, instr.layer)
+                if share:
+                    host = device.hand_over(env[instr.args[0]], instr.fn, instr.layer)
+                else:
+                    host = device.offload(env[instr.args[0]], instr.fn, instr.layer)
                 position = self.output_position.get(instr.out[0]) if lander is not None else None
                 widened = self.widened_gradient.get(instr.out[0]) if lander is not None else None
                 if widened is not None and lander.owns(widened[0]):
