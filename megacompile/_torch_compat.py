@@ -263,3 +263,44 @@ def is_invoke_subgraph(target) -> bool:
     """A call of a ``torch.compiler.nested_compile_region`` body (``invoke_subgraph``)."""
     hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
     return hop is not None and target is hop
+
+
+def _operand_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (type(value), tuple(str(s) for s in value.shape), tuple(str(s) for s in value.stride()),
+                value.dtype, value.device, value.requires_grad)
+    return (type(value), str(value))
+
+
+class invoke_subgraph_schema_memo:
+    """While AOTAutograd traces one step graph: each marked layer's schema derived once.
+
+    Under autograd, every call of an ``invoke_subgraph`` body first derives the body's
+    schema to refuse in-place input mutation (``HigherOrderOperator.py_autograd_impl``), and
+    ``invoke_subgraph.gen_schema`` re-traces the whole body to do so: about 0.1 s per call of a
+    small decoder layer, for every layer. The schema depends on the body (one per identifier
+    within a graph) and on its operands' metadata only, so it is kept for the duration of
+    one AOTAutograd call, keyed by both. Where the operator or its ``gen_schema`` is missing
+    (another release), nothing is changed.
+    """
+
+    def __enter__(self):
+        self.hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+        if self.hop is None or "gen_schema" not in type(self.hop).__dict__ or "gen_schema" in vars(self.hop):
+            self.hop = None
+            return self
+        derive = self.hop.gen_schema  # the class's method, bound to the operator
+        memo: dict = {}
+
+        def gen_schema(subgraph, identifier, *operands):
+            key = (identifier, tuple(_operand_key(o) for o in operands))
+            if key not in memo:
+                memo[key] = derive(subgraph, identifier, *operands)
+            return memo[key]
+
+        self.hop.gen_schema = gen_schema  # an instance attribute: shadows the method until __exit__
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.hop is not None:
+            del self.hop.gen_schema

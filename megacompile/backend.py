@@ -158,12 +158,13 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
         compat.wrap_in_autocast(gm, "cpu", opts.autocast_dtype)
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
     try:
-        return compat.aot_module_simplified(
-            gm, example_inputs,
-            fw_compiler=compiler.compile_forward,
-            bw_compiler=compiler.compile_backward,
-            partition_fn=compiler.partition,
-            inference_compiler=compiler.compile_inference,
-        )
+        with compat.invoke_subgraph_schema_memo():
+            return compat.aot_module_simplified(
+                gm, example_inputs,
+                fw_compiler=compiler.compile_forward,
+                bw_compiler=compiler.compile_backward,
+                partition_fn=compiler.partition,
+                inference_compiler=compiler.compile_inference,
+            )
     except UnsupportedGraph as e:
         return _fallback(gm, example_inputs, opts, str(e))

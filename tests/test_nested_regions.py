@@ -201,3 +201,33 @@ def test_backward_calls_pair_with_their_forward_calls_without_call_ids(monkeypat
     for i in range(5):
         assert rows[f"blocks.{i}"].d2h_bytes == per_block  # each block's gradients, once
         assert rows[f"blocks.{i}"].h2d_bytes >= per_block
+
+
+def test_a_marked_body_schema_is_derived_once_not_per_call(monkeypatch):
+    """AOTAutograd derives a marked body's schema (a full re-trace of the body) for every call
+    it traces under autograd; megatrain keeps it per body and operand metadata for one step
+    graph (``compat.invoke_subgraph_schema_memo``): the derivations do not grow with the
+    number of calls, training still equals eager, and the operator is left as it was."""
+    hop = torch.ops.higher_order.invoke_subgraph
+    derived = []
+    original = type(hop).gen_schema
+
+    def counting(self, subgraph, identifier, *operands):
+        derived.append(identifier)
+        return original(self, subgraph, identifier, *operands)
+
+    monkeypatch.setattr(type(hop), "gen_schema", counting)
+    torch._dynamo.reset()
+    model, reference, compiled, eager_step, _ = _marked_net_under_a_quarter_budget()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)
+        torch.testing.assert_close(compiled(x, y), eager_step(x, y), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    # Five blocks: at least four calls of one body traced under autograd (torch 2.11 may
+    # trace the first call as a body of its own). One derivation per distinct body (the
+    # Dynamo body, and the forward and backward bodies AOTAutograd partitions it into), never
+    # one per call.
+    assert derived and len(derived) == len(set(derived)), derived
+    assert "gen_schema" not in vars(hop)  # the memo is gone once the step graph is compiled
