@@ -64,6 +64,19 @@ def _marked_net_under_a_quarter_budget():
     return model, reference, compiled, eager_step, budget
 
 
+def _two_steps_equal_eager():
+    """Two AdamW steps of the marked net under a quarter budget, asserted equal to eager
+    (losses and parameters): (model, budget)."""
+    model, reference, compiled, eager_step, budget = _marked_net_under_a_quarter_budget()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)
+        torch.testing.assert_close(compiled(x, y), eager_step(x, y), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    return model, budget
+
+
 def test_marked_layers_stream_per_layer_and_equal_eager(monkeypatch):
     inlined, body_partitions = [], []
     original = inline_regions.inline_partitioned_regions
@@ -188,13 +201,7 @@ def test_backward_calls_pair_with_their_forward_calls_without_call_ids(monkeypat
         return original(gm)
 
     monkeypatch.setattr(inline_regions, "inline_partitioned_regions", without_call_ids)
-    model, reference, compiled, eager_step, budget = _marked_net_under_a_quarter_budget()
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)
-        torch.testing.assert_close(compiled(x, y), eager_step(x, y), rtol=1e-5, atol=0)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    model, budget = _two_steps_equal_eager()
     assert len(stripped) >= 8  # the forward and backward calls of at least four blocks
     rows = {r.layer: r for r in megacompile.last_report().layers}
     per_block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
@@ -218,13 +225,7 @@ def test_a_marked_body_schema_is_derived_once_not_per_call(monkeypatch):
 
     monkeypatch.setattr(type(hop), "gen_schema", counting)
     torch._dynamo.reset()
-    model, reference, compiled, eager_step, _ = _marked_net_under_a_quarter_budget()
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)
-        torch.testing.assert_close(compiled(x, y), eager_step(x, y), rtol=1e-5, atol=0)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    _two_steps_equal_eager()
     # Five blocks: at least four calls of one body traced under autograd (torch 2.11 may
     # trace the first call as a body of its own). One derivation per distinct body (the
     # Dynamo body, and the forward and backward bodies AOTAutograd partitions it into), never
