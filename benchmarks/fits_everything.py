@@ -10,6 +10,10 @@ bytes: the "device" is the host); the eager lowering copies every load and offlo
 measures the schedule's device peak. Both count the schedule's traffic, printed per step.
 
     python benchmarks/fits_everything.py [--width 1024] [--depth 4] [--batch 256] [--steps 20]
+    python benchmarks/fits_everything.py --model llama [--width 256] [--depth 4] [--batch 4] [--seq-len 128]
+
+``--model llama``: a Hugging Face Llama (random weights, eager attention) trained from
+``labels``, hidden ``--width``, ``--depth`` layers, ``--batch`` sequences of ``--seq-len``.
 """
 from __future__ import annotations
 
@@ -41,20 +45,47 @@ def make_step(model, opt):
     return step
 
 
+def make_labels_step(model, opt):
+    def step(x, y):
+        loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step
+
+
+def llama(width: int, depth: int):
+    import transformers as T
+
+    config = T.LlamaConfig(vocab_size=1024, hidden_size=width, intermediate_size=int(width * 8 / 3) // 8 * 8,
+                           num_attention_heads=max(1, width // 64), num_key_value_heads=max(1, width // 128),
+                           num_hidden_layers=depth, max_position_embeddings=2048, use_cache=False,
+                           attn_implementation="eager")
+    return T.LlamaForCausalLM(config)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--model", choices=("mlp", "llama"), default="mlp")
+    p.add_argument("--seq-len", type=int, default=128, help="--model llama only")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
     torch.manual_seed(0)
-    layers = []
-    for _ in range(args.depth):
-        layers += [nn.Linear(args.width, args.width), nn.GELU()]
-    base = nn.Sequential(*layers, nn.Linear(args.width, 16))
+    if args.model == "llama":
+        base = llama(args.width, args.depth)
+        step_of = make_labels_step
+    else:
+        layers = []
+        for _ in range(args.depth):
+            layers += [nn.Linear(args.width, args.width), nn.GELU()]
+        base = nn.Sequential(*layers, nn.Linear(args.width, 16))
+        step_of = make_step
     variants = {}
     for name, backend, options in (
         ("torch.compile (inductor)", "inductor", None),
@@ -66,10 +97,14 @@ def main() -> int:
         kwargs = {"backend": backend}
         if options:
             kwargs["options"] = options
-        variants[name] = torch.compile(make_step(model, opt), **kwargs)
+        variants[name] = torch.compile(step_of(model, opt), **kwargs)
 
-    x = torch.randn(args.batch, args.width)
-    y = torch.randn(args.batch, 16)
+    if args.model == "llama":
+        x = torch.randint(0, 1024, (args.batch, args.seq_len))
+        y = x
+    else:
+        x = torch.randn(args.batch, args.width)
+        y = torch.randn(args.batch, 16)
     compile_s = {}
     traffic = {}
     for name, fn in variants.items():
@@ -94,8 +129,10 @@ def main() -> int:
     lines = [
         f"# fits_everything: {datetime.date.today()} on {cpu_model()} "
         f"({os.cpu_count()} cores), torch {torch.__version__}",
-        f"# MLP width {args.width} depth {args.depth} batch {args.batch}, AdamW, fp32, no memory budget; "
-        f"median of {args.steps} interleaved steps",
+        (f"# MLP width {args.width} depth {args.depth} batch {args.batch}" if args.model == "mlp" else
+         f"# Hugging Face Llama hidden {args.width} depth {args.depth} batch {args.batch} x seq {args.seq_len} "
+         f"(eager attention, loss from labels)")
+        + f", AdamW, fp32, no memory budget; median of {args.steps} interleaved steps",
         f"{'variant':34}{'median ms':>12}{'ratio':>8}{'first 2 steps s':>17}{'  stand-in copies'}",
     ]
     ok = True

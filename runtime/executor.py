@@ -60,11 +60,17 @@ def _resolve(template: Any, env: list) -> Any:
 
 
 _aten = torch.ops.aten
-# Ops Inductor lowers to a call of the vendor library (BLAS / cuBLAS, oneDNN / cuDNN, flash
-# attention) under its default settings: compiling them adds a wrapper and no fusion.
-_LIBRARY_KERNELS = {
+# Ops Inductor lowers to an extern call of the vendor library (BLAS / cuBLAS, oneDNN /
+# cuDNN): inside a segment they cost the same call, and a segment that also has other work
+# saves the Python calls of everything around them; alone they run directly (a compiled
+# wrapper around a lone matmul adds its call cost and fuses nothing).
+_EXTERN_LIBRARY_KERNELS = {
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
     _aten.convolution.default, _aten.convolution_backward.default,
+}
+# Attention kernels always run directly, between segments: on a device they are substituted
+# by megacompile's own device_attention ops at placement, which Inductor does not lower.
+_ALWAYS_DIRECT = {
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_flash_attention_backward.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_efficient_attention_backward.default,
@@ -154,19 +160,20 @@ class StreamingProgram:
         def emit(run: list[fx.Node]) -> None:
             if not run:
                 return
-            if all(_is_trivial(n) for n in run):  # views and tuple access only: nothing to compile
+            if all(_is_trivial(n) or n.target in _EXTERN_LIBRARY_KERNELS for n in run):
+                # Views, tuple access and library calls only: nothing to fuse, so they run
+                # as they are.
                 self.instructions.extend(op_instruction(n) for n in run)
             else:
                 self.instructions.append(self._segment(run, slot_of, nodes))
 
         def flush() -> None:
-            # A library kernel (a GEMM, a convolution, attention) is a call Inductor would make
-            # too, with no fusion around it by default: it runs directly, and the runs of
-            # ops between such calls become the compiled segments (no compiled wrapper around
-            # a lone matmul).
+            # A run of compute between two memory ops becomes one compiled segment, GEMMs
+            # included (Inductor calls the same library for them); attention runs directly
+            # and splits the run.
             run: list[fx.Node] = []
             for n in pending:
-                if n.target in _LIBRARY_KERNELS:
+                if n.target in _ALWAYS_DIRECT:
                     emit(run)
                     run = []
                     self.instructions.append(op_instruction(n))
