@@ -177,9 +177,10 @@ class StreamingProgram:
                     emit(run)
                     run = []
                     self.instructions.append(op_instruction(n))
-                elif not run and _is_trivial(n):
-                    # A view or getitem leading a run (a kernel's results taken apart) runs as
-                    # it is: the segment then starts from tensors, not from a kernel's tuple.
+                elif not run and n.target is operator.getitem:
+                    # A getitem leading a run (a kernel's results taken apart) runs as it is:
+                    # the segment then starts from tensors, not from a kernel's tuple. Leading
+                    # views join the segment (Inductor takes views of its inputs for free).
                     self.instructions.append(op_instruction(n))
                 else:
                     run.append(n)
