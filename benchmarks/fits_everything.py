@@ -31,11 +31,19 @@ import torch.nn as nn
 
 import megacompile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from _machine import cpu_model, write_result  # noqa: E402
+from reference_models import labels_training_step  # noqa: E402
+
+LR = 1e-4
 
 
-def make_step(model, opt):
+def make_step(model):
+    """An AdamW step of a regression model: step(x, y)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
     def step(x, y):
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -45,14 +53,10 @@ def make_step(model, opt):
     return step
 
 
-def make_labels_step(model, opt):
-    def step(x, y):
-        loss = model(input_ids=x, labels=y).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return step
+def make_labels_step(model):
+    """The tests' AdamW step of a causal LM trained from ``labels``, as step(x, y)."""
+    step = labels_training_step(model, lr=LR)
+    return lambda x, y: step(x)
 
 
 def llama(width: int, depth: int):
@@ -93,11 +97,10 @@ def main() -> int:
         ("megatrain (eager lowering)", "megatrain", {"device": "cpu", "lowering": "eager"}),
     ):
         model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         kwargs = {"backend": backend}
         if options:
             kwargs["options"] = options
-        variants[name] = torch.compile(step_of(model, opt), **kwargs)
+        variants[name] = torch.compile(step_of(model), **kwargs)
 
     if args.model == "llama":
         x = torch.randint(0, 1024, (args.batch, args.seq_len))
