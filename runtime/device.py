@@ -71,8 +71,8 @@ class StreamingDevice:
         raise NotImplementedError
 
     def share(self, host: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
-        """A load without a copy (only where ``shares_host_memory``): the host tensor itself,
-        its bytes still counted as the schedule's host-to-device traffic."""
+        """A load without a copy (only where ``shares_host_memory``): a tensor over the host
+        tensor's own memory, its bytes still counted as the schedule's host-to-device traffic."""
         raise NotImplementedError(f"the {self.kind} device cannot share host memory")
 
     def hand_over(self, device_tensor: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
