@@ -202,6 +202,7 @@ def main(argv=None) -> int:
                    f"{same_err:>9}")
             print(row, flush=True)
             lines.append(row)
+    table_c = len(lines)  # where table (c) and the notes start
     lines += [
         "",
         "(c) decoder layers marked with torch.compiler.nested_compile_region (budget 'none'): Dynamo traces the",
@@ -220,8 +221,7 @@ def main(argv=None) -> int:
         f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} logical CPUs "
         "(other processes competing for the cores inflate the times)",
     ]
-    print("\n".join(lines[lines.index("(c) decoder layers marked with torch.compiler.nested_compile_region "
-                                       "(budget 'none'): Dynamo traces the") - 1:]), flush=True)
+    print("\n".join(lines[table_c:]), flush=True)
     # (d) The Inductor lowering: real kernels, compiled on the first call; on-disk caches off so
     # every compile is a compile.
     import torch._inductor.config as inductor_config

@@ -69,6 +69,21 @@ def llama(width: int, depth: int):
     return T.LlamaForCausalLM(config)
 
 
+def workload(args):
+    """(model, step maker, x, y, description) for ``--model``."""
+    if args.model == "llama":
+        x = torch.randint(0, 1024, (args.batch, args.seq_len))
+        return (llama(args.width, args.depth), make_labels_step, x, x,
+                f"Hugging Face Llama hidden {args.width} depth {args.depth} batch {args.batch} x seq {args.seq_len} "
+                f"(eager attention, loss from labels)")
+    layers = []
+    for _ in range(args.depth):
+        layers += [nn.Linear(args.width, args.width), nn.GELU()]
+    return (nn.Sequential(*layers, nn.Linear(args.width, 16)), make_step,
+            torch.randn(args.batch, args.width), torch.randn(args.batch, 16),
+            f"MLP width {args.width} depth {args.depth} batch {args.batch}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=1024)
@@ -81,15 +96,7 @@ def main() -> int:
     args = p.parse_args()
 
     torch.manual_seed(0)
-    if args.model == "llama":
-        base = llama(args.width, args.depth)
-        step_of = make_labels_step
-    else:
-        layers = []
-        for _ in range(args.depth):
-            layers += [nn.Linear(args.width, args.width), nn.GELU()]
-        base = nn.Sequential(*layers, nn.Linear(args.width, 16))
-        step_of = make_step
+    base, step_of, x, y, description = workload(args)
     variants = {}
     for name, backend, options in (
         ("torch.compile (inductor)", "inductor", None),
@@ -102,12 +109,6 @@ def main() -> int:
             kwargs["options"] = options
         variants[name] = torch.compile(step_of(model), **kwargs)
 
-    if args.model == "llama":
-        x = torch.randint(0, 1024, (args.batch, args.seq_len))
-        y = x
-    else:
-        x = torch.randn(args.batch, args.width)
-        y = torch.randn(args.batch, 16)
     compile_s = {}
     traffic = {}
     for name, fn in variants.items():
@@ -132,10 +133,7 @@ def main() -> int:
     lines = [
         f"# fits_everything: {datetime.date.today()} on {cpu_model()} "
         f"({os.cpu_count()} cores), torch {torch.__version__}",
-        (f"# MLP width {args.width} depth {args.depth} batch {args.batch}" if args.model == "mlp" else
-         f"# Hugging Face Llama hidden {args.width} depth {args.depth} batch {args.batch} x seq {args.seq_len} "
-         f"(eager attention, loss from labels)")
-        + f", AdamW, fp32, no memory budget; median of {args.steps} interleaved steps",
+        f"# {description}, AdamW, fp32, no memory budget; median of {args.steps} interleaved steps",
         f"{'variant':34}{'median ms':>12}{'ratio':>8}{'first 2 steps s':>17}{'  stand-in copies'}",
     ]
     ok = True
