@@ -9,7 +9,9 @@ Two lowerings share the executor:
 - eager: every compute op is one instruction, run op by op, and every device-side result is
   handed to the device's tracker (on the CPU stand-in that is how the peak is measured);
 - inductor: each maximal run of compute ops between two memory ops is one segment, compiled
-  once by Inductor (Triton kernels on CUDA, C++ on CPU) on its first call.
+  once by Inductor (Triton kernels on CUDA, C++ on CPU) on its first call. Where the device
+  shares host memory (the CPU stand-in when nothing is measured), memory ops move nothing and
+  split nothing: a segment is then one layer's compute in one phase.
 """
 from __future__ import annotations
 
@@ -144,6 +146,15 @@ class StreamingProgram:
         self.input_slots: list[int] = []
         self.instructions: list[Instruction] = []
         pending: list[fx.Node] = []  # compute ops waiting to become a segment
+        # Sharing host memory, memory ops move no bytes and need no place of their own: they
+        # are taken out of the run (loads issued ahead of it, offloads after it) and split
+        # it only where the layer changes, so a segment is a layer's compute, not the compute
+        # between two copies (and repeated layers still reuse one compiled segment).
+        moves_no_bytes = self.share_host_memory
+        in_run: set[fx.Node] = set()
+        after_run: list[Instruction] = []  # offloads of values the pending run computes
+        after_run_nodes: set[fx.Node] = set()
+        run_layer: list[str | None] = [None]  # the layer of the pending run's last layered op
 
         def slot_of(n: fx.Node) -> int:
             if n not in slot:
@@ -186,6 +197,18 @@ class StreamingProgram:
                     run.append(n)
             emit(run)
             pending.clear()
+            in_run.clear()
+            self.instructions.extend(after_run)
+            after_run.clear()
+            after_run_nodes.clear()
+            run_layer[0] = None
+
+        def memory_instruction(node: fx.Node) -> Instruction:
+            kind = node.target._schema.name.split("::")[-1]
+            layer = info(node).layer if has_info(node) else None
+            out = [slot_of(node)] if kind in ("load", "offload") else []
+            return Instruction(kind, out, [slot_of(node.args[0])], name=node.name, layer=layer,
+                               fn=node.args[1] if len(node.args) > 1 else None)
 
         for node in nodes:
             if node.op == "placeholder":
@@ -202,15 +225,22 @@ class StreamingProgram:
                     with compat.no_dispatch_modes():
                         value = place_constant(value, self.device.torch_device)
                 self.instructions.append(Instruction("const", [slot_of(node)], None, fn=value, name=node.name))
+            elif ops.is_memory_op(node) and moves_no_bytes:
+                if node.target in (ops.wait, ops.evict):
+                    # Nothing to wait for (the "copy" is the host tensor) and nothing to free
+                    # (a value is dropped after its last reader): no instruction at all.
+                    continue
+                source = node.args[0]
+                if source in in_run:  # an offload of a value the run computes: after the run
+                    after_run.append(memory_instruction(node))
+                    after_run_nodes.add(node)
+                    continue
+                if source in after_run_nodes:  # a reload of such an offload: the run ends here
+                    flush()
+                self.instructions.append(memory_instruction(node))  # ahead of the run
             elif ops.is_memory_op(node):
                 flush()
-                kind = node.target._schema.name.split("::")[-1]
-                layer = info(node).layer if has_info(node) else None
-                out = [slot_of(node)] if kind in ("load", "offload") else []
-                self.instructions.append(
-                    Instruction(kind, out, [slot_of(node.args[0])], name=node.name, layer=layer,
-                                fn=node.args[1] if len(node.args) > 1 else None)
-                )
+                self.instructions.append(memory_instruction(node))
             elif has_info(node) and info(node).placement == "host":
                 # A host op (a host cast): runs on the host, never in a device segment; its
                 # result is host staging memory, not device memory.
@@ -223,8 +253,14 @@ class StreamingProgram:
                 # A view or getitem inside a run of compute joins its segment (fewer segment
                 # calls, and Inductor sees e.g. a reduction behind a transpose); on its own it
                 # runs as it is.
+                layer = info(node).layer if has_info(node) else None
+                if moves_no_bytes and pending and layer is not None and run_layer[0] not in (None, layer):
+                    flush()  # one segment per layer (repeated layers reuse its compiled code)
                 if self.lowering == "inductor" and (pending or not _is_trivial(node)):
                     pending.append(node)
+                    in_run.add(node)
+                    if layer is not None:
+                        run_layer[0] = layer
                 else:
                     flush()
                     self.instructions.append(op_instruction(node))

@@ -57,7 +57,9 @@ def test_segments_compiled_once_whatever_the_depth(monkeypatch):
         counts[layers] = report.segments
     assert counts[3]["compiled"] == counts[5]["compiled"], counts
     per_layer = (counts[5]["reused"] - counts[3]["reused"]) / 2
-    assert per_layer >= 5, counts  # each extra layer's forward and backward segments were all repeats
+    # Each extra layer's forward and backward segments were all repeats (on the stand-in,
+    # which shares host memory, a layer is one segment per phase).
+    assert per_layer >= 2, counts
     # The compiler was called for the distinct segments only.
     assert len(compiled_graphs) == counts[3]["compiled"] + counts[5]["compiled"]
 

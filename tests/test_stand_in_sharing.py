@@ -16,6 +16,7 @@ import torch
 import megacompile
 from megacompile import _torch_compat as compat
 from megacompile.runtime.device import CpuStandInDevice
+from megacompile.runtime.executor import StreamingProgram
 from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 
@@ -92,3 +93,38 @@ def test_overlapped_optimizer_keeps_the_copies(calls):
     assert megacompile.last_report().optimizer["overlapped"], megacompile.last_report().optimizer
     assert calls["share"] == 0 and calls["hand_over"] == 0, calls
     assert calls["load"] > 0 and calls["offload"] > 0, calls
+
+
+def test_shared_memory_ops_leave_one_segment_per_layer(calls, monkeypatch):
+    """Loads and offloads that move no bytes do not cut a layer's compute into pieces: with
+    sharing, each layer's forward and each layer's backward is one segment (loads are issued
+    ahead of it, offloads after it, and waits and evicts are gone); the copying program cuts
+    it at every memory op. Both train equal to eager."""
+    programs = []
+    build = StreamingProgram._build
+
+    def recording_build(self):
+        build(self)
+        programs.append(self)
+
+    monkeypatch.setattr(StreamingProgram, "_build", recording_build)
+
+    def segment_layers(options: dict) -> dict:
+        programs.clear()
+        torch._dynamo.reset()
+        _train_both("gpt", options)
+        return {p.label.split()[-1]: [i.layer for i in p.instructions if i.kind == "segment"]
+                for p in programs if "(no backward)" not in p.label}  # not the loss's detach
+
+    shared = segment_layers({"device": "cpu", "lowering": "inductor"})
+    assert all(p.share_host_memory for p in programs)
+    assert not {i.kind for p in programs for i in p.instructions} & {"wait", "evict"}
+    blocks = [f"blocks.{k}" for k in range(3)]
+    for phase in ("forward", "backward"):
+        layers = shared[phase]
+        assert len(layers) == len(set(layers)), layers  # one segment per layer
+        assert [layer for layer in layers if layer in blocks] == (blocks if phase == "forward" else blocks[::-1])
+    copying = segment_layers({"device": "cpu", "lowering": "inductor", "overlap_optimizer": True})
+    assert not any(p.share_host_memory for p in programs)
+    for phase in ("forward", "backward"):
+        assert copying[phase].count("blocks.1") > 1, copying[phase]  # cut at its memory ops
