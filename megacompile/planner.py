@@ -470,8 +470,12 @@ def plan_training(
         c.plan.predicted_seconds = predict_seconds(c)
     # Each rung whose loads stall the compute lane also comes with deeper prefetch for those
     # loads (more memory, less waiting), and the ladder is drawn again over all of them.
-    # Only rungs get the variant: building one per candidate doubled the planning time.
-    deeper = [d for d in map(deeper_prefetch, _ladder(candidates)) if d is not None]
+    # Only rungs get the variant: building one per candidate doubled the planning time. And
+    # only rungs that fit: a variant holds each load it moves earlier for longer and nothing
+    # for less, so its peak is at least its rung's; over the budget, it sorts after every
+    # plan that fits and cannot change the choice (the plan is the one every variant would
+    # give, so the ladder's monotonicity in the budget is kept).
+    deeper = [d for d in map(deeper_prefetch, _rungs_to_prefetch_deeper(_ladder(candidates), fits)) if d is not None]
     for d in deeper:
         d.plan.predicted_seconds = predict_seconds(d)
     candidates += deeper
@@ -486,6 +490,11 @@ def plan_training(
         f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver for per-layer choices)"
     )
     return chosen
+
+
+def _rungs_to_prefetch_deeper(ladder: list[Attempt], fits: Callable[[Attempt], bool]) -> list[Attempt]:
+    """The rungs whose deeper-prefetch variants are worth building: those within the budget."""
+    return [rung for rung in ladder if fits(rung)]
 
 
 def _ladder(candidates: list[Attempt]) -> list[Attempt]:

@@ -108,3 +108,68 @@ def train_with_prefetch_disabled():
         return train(budget=None)
     finally:
         planner._load_stalls = original
+
+
+
+def _plans_and_builds(budget: int | None, monkeypatch) -> tuple:
+    """(the chosen plan, every plan built for it) for the reference MLP on an H100 PCIe
+    profile under ``budget``; training equals eager."""
+    import megacompile.planner as planner
+    from megacompile._torch_compat import reset_dynamo
+    from reference_models import REFERENCE_MODELS
+
+    built = []
+    plan_training = planner.plan_training
+
+    def recording(build, *args, **kwargs):
+        def recorded_build(plan, **kw):
+            attempt = build(plan, **kw)
+            built.append(attempt.plan)
+            return attempt
+        return plan_training(recorded_build, *args, **kwargs)
+
+    ctor, batch, loss_fn = REFERENCE_MODELS["mlp"]
+    torch.manual_seed(0)
+    model = ctor()
+    step, _ = make_training_step(model, loss_fn)
+    eager_step, _ = make_training_step(copy.deepcopy(model), loss_fn)
+    options = {"device": "cpu", "lowering": "eager", "hardware": "h100-pcie"}
+    if budget is not None:
+        options["memory_budget"] = budget
+    with monkeypatch.context() as m:
+        m.setattr(planner, "plan_training", recording)
+        reset_dynamo()
+        compiled = torch.compile(step, backend="megatrain", options=options)
+        x, y = batch(torch.Generator().manual_seed(1))
+        torch.testing.assert_close(compiled(x, y), eager_step(x, y), rtol=1e-5, atol=1e-6)
+    report = megacompile.last_report()
+    assert budget is None or report.measured_peak_device_bytes <= budget
+    return report, built
+
+
+def test_deeper_prefetch_is_built_only_for_rungs_within_the_budget(monkeypatch):
+    """A deeper-prefetch variant's peak is never below its rung's, so the planner builds one
+    only for rungs that fit: the chosen plan is the one building every variant gives, with
+    fewer builds."""
+    import megacompile.planner as planner
+
+    keep_peak = _plans_and_builds(None, monkeypatch)[0].planned_peak_device_bytes
+    saved_builds = 0
+    for fraction in (0.45, 0.6):  # both choose a per-activation plan with deeper prefetch
+        budget = int(keep_peak * fraction)
+        with monkeypatch.context() as m:  # the planner as it was: a variant for every rung
+            m.setattr(planner, "_rungs_to_prefetch_deeper", lambda ladder, fits: ladder)
+            every, every_built = _plans_and_builds(budget, monkeypatch)
+        chosen, built = _plans_and_builds(budget, monkeypatch)
+        assert "deeper prefetch" in chosen.policy, chosen.policy
+        assert (chosen.policy, chosen.planned_peak_device_bytes, chosen.recomputed_ops, chosen.h2d_bytes) == (
+            every.policy, every.planned_peak_device_bytes, every.recomputed_ops, every.h2d_bytes)
+        assert len(built) < len(every_built), (len(built), len(every_built))
+        saved_builds += len(every_built) - len(built)
+        # The property the pruning stands on, checked on every variant built for a rung.
+        by_policy = {p.policy: p for p in every_built}
+        for plan in every_built:
+            if ", deeper prefetch for" in plan.policy:
+                rung = by_policy[plan.policy.rsplit(", deeper prefetch for", 1)[0]]
+                assert plan.peak_bytes >= rung.peak_bytes, (plan.policy, plan.peak_bytes, rung.peak_bytes)
+    assert saved_builds > 0
