@@ -14,6 +14,11 @@ allocated; the numbers are compile and planning time only):
       whole candidate ladder, as it does for models that do not fit).
   (b) `plan_model`: traces k=2 layers (every policy, from one trace) and extrapolates to N,
       under the same two budgets.
+  (c) the decoder layers marked with `torch.compiler.nested_compile_region`, beside
+      torch.compile's own capture of the same step (backend "eager": Dynamo alone;
+      "aot_eager": Dynamo + AOTAutograd), marked and not: what megatrain adds to the capture
+      every torch.compile backend pays, and how each grows per layer.
+  (d) the Inductor lowering on real CPU tensors: segments compiled once and reused.
 
 Output: a table on stdout, saved to benchmarks/results/compile_time-<date>-cpu-2core.txt.
 """
@@ -56,12 +61,14 @@ class _MarkedLayers:
         self.cls.forward = self.original
 
 
-def _two_calls(model, seq_len: int, budget: int | None = None) -> tuple[float, float]:
+def _two_calls(model, seq_len: int, budget: int | None = None, backend: str = "megatrain") -> tuple[float, float]:
     """(first call s, second call s) of the compiled training step of ``model`` on meta."""
-    options = {"device": "cpu", "lowering": "eager", "hardware": "h200"}
-    if budget is not None:
-        options["memory_budget"] = budget
-    compiled = torch.compile(plan_cmd.make_step(model), backend="megatrain", options=options)
+    kwargs = {"backend": backend}
+    if backend == "megatrain":
+        kwargs["options"] = {"device": "cpu", "lowering": "eager", "hardware": "h200"}
+        if budget is not None:
+            kwargs["options"]["memory_budget"] = budget
+    compiled = torch.compile(plan_cmd.make_step(model), **kwargs)
     x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     with plan_cmd._meta_placement():
         t0 = time.perf_counter()
@@ -72,13 +79,17 @@ def _two_calls(model, seq_len: int, budget: int | None = None) -> tuple[float, f
     return t1 - t0, t2 - t1
 
 
-def marked_compile(cfg: dict, seq_len: int) -> float:
-    """Compile seconds (first call - second call) with the decoder layers marked."""
+def compile_seconds(cfg: dict, seq_len: int, backend: str, marked: bool) -> float:
+    """Compile seconds (first call - second call) of the step under ``backend`` (budget none),
+    with the decoder layers marked or not."""
     plan_cmd._reset_dynamo()
     capture.COMPILED.clear()
     model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
-    with _MarkedLayers(model):
-        first, second = _two_calls(model, seq_len)
+    if marked:
+        with _MarkedLayers(model):
+            first, second = _two_calls(model, seq_len, backend=backend)
+    else:
+        first, second = _two_calls(model, seq_len, backend=backend)
     plan_cmd._reset_dynamo()
     return first - second
 
@@ -189,7 +200,13 @@ def main(argv=None) -> int:
                 budget = None
             first, second, policy, peak, same = full_compile(cfg, args.seq_len, budget)
             if label == "none":
-                marked_rows.append((n, first - second, marked_compile(cfg, args.seq_len)))
+                # torch.compile's own capture beside megatrain's, same step: Dynamo alone (the
+                # 'eager' backend runs the captured graph as it is) and Dynamo + AOTAutograd
+                # with the default partitioner ('aot_eager'), marked and not.
+                marked_rows.append((n, compile_seconds(cfg, args.seq_len, "eager", marked=False),
+                                    compile_seconds(cfg, args.seq_len, "aot_eager", marked=False),
+                                    compile_seconds(cfg, args.seq_len, "aot_eager", marked=True),
+                                    first - second, compile_seconds(cfg, args.seq_len, "megatrain", marked=True)))
             plan_s, r = planned(cfg, args.seq_len, budget)
             if label == "none":
                 keep_peak = r.device["keep_all_peak_bytes"]
@@ -209,8 +226,16 @@ def main(argv=None) -> int:
         "layer once and calls it per layer; AOTAutograd traces and partitions the layer once (its schema derived",
         "once: compat.invoke_subgraph_schema_memo); megatrain inlines the partitioned bodies per call",
         "(megacompile/inline_regions.py), so the passes and the planner still see every layer",
-        f"{'layers':>6} {'unmarked compile s':>19} {'marked compile s':>17} {'marked / unmarked':>18}",
-    ] + [f"{n:>6} {u:>19.2f} {m:>17.2f} {m / u:>18.2f}" for n, u, m in marked_rows] + [
+        "Beside it, torch.compile's own capture of the same step (compile s, budget 'none'): Dynamo alone",
+        "(backend='eager': the captured graphs run as they are; no autograd tracing) and Dynamo + AOTAutograd",
+        "with the default partitioner (backend='aot_eager'); the last row is the growth per added layer",
+        f"{'layers':>6} {'Dynamo alone':>13} {'aot_eager':>10} {'aot_eager marked':>17} {'megatrain':>10} "
+        f"{'megatrain marked':>17} {'marked: megatrain / aot_eager':>30}",
+    ] + [f"{n:>6} {d:>13.2f} {a:>10.2f} {am:>17.2f} {u:>10.2f} {m:>17.2f} {m / am:>30.2f}"
+         for n, d, a, am, u, m in marked_rows] + ([
+        "s/layer " + "".join(f"{(last - first) / (marked_rows[-1][0] - marked_rows[0][0]):>{w}.3f}"
+                             for first, last, w in zip(marked_rows[0][1:], marked_rows[-1][1:], (12, 11, 18, 11, 18)))
+    ] if len(marked_rows) > 1 else []) + [
         "",
         "peak err: plan_model's extrapolated peak vs the planner's peak for the full-depth compile (same budget).",
         "The two choose independently (the planner from its built candidate ladder, plan_model by enumerating",
