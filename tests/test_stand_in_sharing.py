@@ -112,7 +112,7 @@ def test_shared_memory_ops_leave_one_segment_per_layer(calls, monkeypatch):
     def segment_layers(options: dict) -> dict:
         programs.clear()
         torch._dynamo.reset()
-        _train_both("gpt", options)
+        _train_both("gpt", options, steps=1)
         return {p.label.split()[-1]: [i.layer for i in p.instructions if i.kind == "segment"]
                 for p in programs if "(no backward)" not in p.label}  # not the loss's detach
 
