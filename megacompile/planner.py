@@ -16,8 +16,9 @@ estimates the peak), so a chosen plan's predicted peak is the one the runtime wi
    storage group, each option priced by the cost model and by the bytes it frees at the keep
    plan's peaks). All are built and priced with the cost model's step time; a ladder along
    which time falls and recompute never rises as the peak grows keeps the useful ones, and
-   the last rung within the budget wins. The candidates do not depend on the budget, so a
-   larger budget only moves up the ladder. If none fits, ``BudgetError`` names the smallest
+   the last rung within the budget wins. Rungs within the budget whose loads keep the
+   compute lane waiting are also built with those loads prefetched a layer deeper. The
+   candidates do not depend on the budget, so a larger budget only moves up the ladder. If none fits, ``BudgetError`` names the smallest
    peak any plan reached and the layer that sets it.
 
 Decisions and their reasons land in ``NodeInfo.decision`` / ``reason`` (shown by inspect);
