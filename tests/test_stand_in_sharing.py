@@ -74,13 +74,21 @@ def test_inductor_lowering_shares_host_memory_and_counts_the_same_traffic(calls,
     assert shared.h2d_bytes > 0 and shared.d2h_bytes > 0
 
 
-def test_shared_offloaded_activations_train_like_eager(calls):
-    """Under a budget that offloads activations, shared loads and offloads still train equal
-    to eager (an activation handed over in the forward is what the backward reads again)."""
+@pytest.mark.parametrize("fraction, trade", [(0.25, "recompute"), (0.3, "offload")])
+def test_shared_traded_activations_train_like_eager(calls, fraction, trade):
+    """Under budgets that recompute or offload activations, shared loads and offloads still
+    train equal to eager (an activation handed over in the forward is what the backward
+    reads again)."""
+    from megacompile.capture import COMPILED
+
     torch._dynamo.reset()
     report = _train_both("gpt", {"device": "cpu", "lowering": "inductor",
-                                 "memory_budget": _budget("gpt", 0.25)})
-    assert report.policy != "keep", report.policy
+                                 "memory_budget": _budget("gpt", fraction)})
+    plan = next(r for r in reversed(COMPILED) if r.backward is not None).plan
+    if trade == "recompute":
+        assert plan.policy.startswith("recompute") and report.recomputed_ops, plan.policy
+    else:
+        assert "offload" in plan.value_policy.values(), plan.policy
     assert calls["load"] == 0 and calls["share"] > 0, calls
 
 
