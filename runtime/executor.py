@@ -152,9 +152,8 @@ class StreamingProgram:
         # between two copies (and repeated layers still reuse one compiled segment).
         moves_no_bytes = self.share_host_memory
         in_run: set[fx.Node] = set()
-        after_run: list[Instruction] = []  # offloads of values the pending run computes
-        after_run_nodes: set[fx.Node] = set()
-        run_layer: list[str | None] = [None]  # the layer of the pending run's last layered op
+        after_run: dict[fx.Node, Instruction] = {}  # offloads of values the pending run computes
+        run_layer: str | None = None  # the layer of the pending run's last layered op
 
         def slot_of(n: fx.Node) -> int:
             if n not in slot:
@@ -179,6 +178,7 @@ class StreamingProgram:
                 self.instructions.append(self._segment(run, slot_of, nodes))
 
         def flush() -> None:
+            nonlocal run_layer
             # A run of compute between two memory ops becomes one compiled segment, GEMMs
             # included (Inductor calls the same library for them); attention runs directly
             # and splits the run.
@@ -198,10 +198,9 @@ class StreamingProgram:
             emit(run)
             pending.clear()
             in_run.clear()
-            self.instructions.extend(after_run)
+            self.instructions.extend(after_run.values())
             after_run.clear()
-            after_run_nodes.clear()
-            run_layer[0] = None
+            run_layer = None
 
         def memory_instruction(node: fx.Node) -> Instruction:
             kind = node.target._schema.name.split("::")[-1]
@@ -232,10 +231,9 @@ class StreamingProgram:
                     continue
                 source = node.args[0]
                 if source in in_run:  # an offload of a value the run computes: after the run
-                    after_run.append(memory_instruction(node))
-                    after_run_nodes.add(node)
+                    after_run[node] = memory_instruction(node)
                     continue
-                if source in after_run_nodes:  # a reload of such an offload: the run ends here
+                if source in after_run:  # a reload of such an offload: the run ends here
                     flush()
                 self.instructions.append(memory_instruction(node))  # ahead of the run
             elif ops.is_memory_op(node):
@@ -254,13 +252,13 @@ class StreamingProgram:
                 # calls, and Inductor sees e.g. a reduction behind a transpose); on its own it
                 # runs as it is.
                 layer = info(node).layer if has_info(node) else None
-                if moves_no_bytes and pending and layer is not None and run_layer[0] not in (None, layer):
+                if moves_no_bytes and pending and layer is not None and run_layer not in (None, layer):
                     flush()  # one segment per layer (repeated layers reuse its compiled code)
                 if self.lowering == "inductor" and (pending or not _is_trivial(node)):
                     pending.append(node)
                     in_run.add(node)
                     if layer is not None:
-                        run_layer[0] = layer
+                        run_layer = layer
                 else:
                     flush()
                     self.instructions.append(op_instruction(node))
