@@ -2,7 +2,8 @@
 
 Usage:  python benchmarks/gpu_throughput.py [--hidden 2048 --layers 8 --seq 1024 --batch 4]
             [--budget-frac 0.25] [--lowering inductor|eager] [--hardware NAME|PATH.json]
-            [--steps 4] [--device cuda|cpu] [--out FILE]
+            [--steps 4] [--device cuda|cpu] [--precision fp32|bf16] [--no-resident]
+            [--trace FILE.json] [--out FILE]
 
 One run, side by side, from the same initial weights on the same batches:
   * megatrain: ``torch.compile(step, backend="megatrain")`` with the model on the host and a
@@ -10,13 +11,21 @@ One run, side by side, from the same initial weights on the same batches:
     stream in layer by layer, gradients stream out, AdamW runs on the host;
   * resident: plain PyTorch with everything on the device (the model fits here, so this is
     the ceiling a streaming system is measured against), eager, AdamW (foreach).
-Both in full fp32 with TF32 off. For each it prints the median step time over ``--steps``
+Both in full fp32 with TF32 off, or with ``--precision bf16`` both in bf16 compute with fp32
+master weights, gradients and AdamW states (megatrain's ``precision="bf16"``; the resident side
+under ``torch.autocast(bfloat16)``). For each it prints the median step time over ``--steps``
 timed steps (after two warm-up steps, the first of which compiles), tokens/s and achieved
 TFLOPS (6 x parameters x tokens plus causal attention, the MFU convention); for megatrain
 also the planned and measured device peak, the budget, the bytes moved each way per step,
 the cost model's predicted step time and the host optimizer's exposed time. The ratio
 megatrain / resident is the number to read; the losses of the two are compared too
 (largest relative difference over all steps).
+
+``--no-resident`` is for a model whose training state does not fit the device: no baseline,
+and no copy of the initial weights is kept (the host holds the training state once). The
+host's peak resident set and the pinned bytes the runtime holds are printed beside the
+plan's host-memory figure. ``--trace`` writes a Chrome trace of one more megatrain step
+(megacompile.trace_runtime: the compute lane and the copy streams, timed with CUDA events).
 """
 from __future__ import annotations
 
@@ -71,6 +80,29 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def resident_training_step(model, precision: str, device: str):
+    """labels_training_step, under autocast for bf16 (megatrain does this itself)."""
+    step = labels_training_step(model)
+    if precision == "fp32":
+        return step
+
+    def autocast_step(x):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return step(x)
+    return autocast_step
+
+
+def progress(message: str) -> None:
+    """A line on stderr as each phase ends: a long run that is cut off still says how far it got."""
+    print(f"[gpu_throughput {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def host_peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def timed_steps(step, batches, device: str) -> tuple[list[float], list[float]]:
     losses, times = [], []
     for x in batches:
@@ -102,7 +134,10 @@ def main(argv=None) -> int:
                    help="default: inductor on cuda, eager on cpu")
     p.add_argument("--hardware", default=None, help="profile name or calibrate JSON for the cost model")
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="Hugging Face attention implementation")
-    p.add_argument("--no-resident", action="store_true", help="skip the resident baseline")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--no-resident", action="store_true",
+                   help="skip the resident baseline (and keep no copy of the initial weights)")
+    p.add_argument("--trace", default=None, help="write a Chrome trace of one more megatrain step here")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = args.device
@@ -111,8 +146,11 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
 
+    build_start = time.perf_counter()
     model = build_llama(args)
-    initial = copy.deepcopy(model.state_dict())
+    build_s = time.perf_counter() - build_start
+    progress(f"model built in {build_s:.0f} s")
+    initial = None if args.no_resident else copy.deepcopy(model.state_dict())
     num_params = sum(p.numel() for p in model.parameters())
     state = training_state_bytes(model)
     budget = int(state * args.budget_frac)
@@ -121,19 +159,27 @@ def main(argv=None) -> int:
     flops = model_flops_per_step(model, args)
     tokens = args.batch * args.seq
 
-    options = {"device": device, "lowering": lowering, "memory_budget": budget}
+    options = {"device": device, "lowering": lowering, "memory_budget": budget, "precision": args.precision}
     if args.hardware:
         options["hardware"] = args.hardware
     step = torch.compile(labels_training_step(model), backend="megatrain", options=options)
     start = time.perf_counter()
     warm_losses, warm_times = timed_steps(step, batches[:2], device)
     first_call_s = time.perf_counter() - start
+    progress(f"first two megatrain calls (compile + warm-up) {first_call_s:.0f} s; losses {warm_losses}")
     ours, ours_t = timed_steps(step, batches[2:], device)
     ours = warm_losses + ours
     report = megacompile.last_report()
+    if args.trace:
+        with megacompile.trace_runtime(args.trace):
+            step(batches[-1])
+            sync(device)
     record = [r for r in COMPILED if r.backward is not None][-1]
     profile = get_profile(record.options.hardware_profile())
     prediction = predict_record(record, profile, tokens=tokens)
+    host_rss = host_peak_rss_bytes()
+    # The CUDA host allocator rounds each pinned block up to a power of two.
+    pinned = torch.cuda.host_memory_stats().get("allocated_bytes.peak") if device == "cuda" else None
     del step, model
     torch._dynamo.reset()
 
@@ -144,7 +190,7 @@ def main(argv=None) -> int:
         reference = LlamaForCausalLM(build_llama(args).config)
         reference.load_state_dict(initial)
         reference.to(device)
-        ref_step = labels_training_step(reference)
+        ref_step = resident_training_step(reference, args.precision, device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         theirs, theirs_t = timed_steps(ref_step, [x.to(device) for x in batches], device)
@@ -160,7 +206,9 @@ def main(argv=None) -> int:
         f"model: HF Llama, hidden {args.hidden}, intermediate {args.intermediate}, layers {args.layers}, "
         f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, attention {args.attn}: "
         f"{num_params / 1e9:.3f} B parameters",
-        f"batch {args.batch} x seq {args.seq} = {tokens} tokens/step; fp32, TF32 off; AdamW lr 1e-3; "
+        f"batch {args.batch} x seq {args.seq} = {tokens} tokens/step; "
+        + ("fp32" if args.precision == "fp32" else "bf16 compute (autocast), fp32 master weights/grads/AdamW")
+        + f", TF32 off; AdamW lr 1e-3; "
         f"model FLOPs/step {flops / 1e12:.1f} TFLOP",
         f"training state (params + grads + AdamW) {state / GiB:.2f} GiB; megatrain budget "
         f"{budget / GiB:.2f} GiB ({args.budget_frac:.0%}); lowering {lowering}; policy {report.policy}",
@@ -181,6 +229,7 @@ def main(argv=None) -> int:
         "",
         f"megatrain step times (s): {', '.join(f'{t:.3f}' for t in ours_t)}; first two calls "
         f"(compile + warm-up) {first_call_s:.1f} s",
+        f"megatrain losses, every step: {', '.join(f'{v:.4f}' for v in ours)}",
         f"predicted step time (cost model, profile {profile.name}): {prediction.total_s:.3f} s "
         f"(compute {prediction.compute_s:.3f}, h2d {prediction.h2d_s:.3f}, d2h {prediction.d2h_s:.3f}, "
         f"host optimizer {prediction.host_optimizer_s:.3f}; bottleneck {prediction.bottleneck}) "
@@ -188,10 +237,15 @@ def main(argv=None) -> int:
         f"device peak: planned {report.planned_peak_device_bytes / GiB:.3f} GiB, measured "
         + (f"{measured / GiB:.3f} GiB (measured / planned {measured / report.planned_peak_device_bytes:.3f}), "
            f"within budget: {measured <= budget}" if measured is not None else "not measured"),
-        f"resident baseline device peak: {resident_peak / GiB:.2f} GiB" if resident_peak else "",
+        f"resident baseline device peak: {resident_peak / GiB:.2f} GiB" if resident_peak else None,
+        f"device memory: {torch.cuda.get_device_properties(0).total_memory / GiB:.1f} GiB; training state / device "
+        f"memory {state / torch.cuda.get_device_properties(0).total_memory:.2f}" if device == "cuda" else None,
+        f"host: peak resident set {host_rss / GiB:.1f} GiB (process; model built in {build_s:.0f} s)"
+        + (f", pinned by the CUDA host allocator (peak, power-of-two blocks) {pinned / GiB:.1f} GiB" if pinned is not None else ""),
         f"moved per step: host->device {report.h2d_bytes / GiB:.2f} GiB, device->host {report.d2h_bytes / GiB:.2f} GiB",
         f"host optimizer: {report.optimizer}",
         f"segments: {report.segments}",
+        f"Chrome trace of one more step: {args.trace}" if args.trace else None,
     ]
     text = "\n".join(line for line in lines if line is not None)
     print(text)
