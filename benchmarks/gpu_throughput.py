@@ -57,14 +57,55 @@ GiB = 1024**3
 def build_llama(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    config = llama_config(args)
+    torch.manual_seed(0)
+    if not args.parallel_init:
+        return LlamaForCausalLM(config)
+    return parallel_initialized_llama(config)
+
+
+def parallel_initialized_llama(config):
+    """A Llama with Hugging Face's initialization (normal(0, initializer_range) for linear and
+    embedding weights, ones for the norms), drawn on all host cores: transformers draws its
+    weights one tensor at a time on one core (16 s for 0.5 B parameters here), far too slow for
+    a model of several billion. Built on the meta device, given host storage, then filled; the
+    non-persistent buffers (the rotary frequencies) come from a one-layer model built normally."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    small = LlamaForCausalLM(type(config)(**{**config.to_dict(), "num_hidden_layers": 1}))
+    small_buffers = dict(small.named_buffers())
+    for name, buf in model.named_buffers():
+        if name not in small_buffers:
+            raise RuntimeError(f"buffer {name} has no counterpart in the one-layer model")
+        buf.copy_(small_buffers[name])
+
+    def fill(item):
+        index, (name, param) = item
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, config.initializer_range, generator=torch.Generator().manual_seed(index))
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # normal_ releases the GIL
+        list(pool.map(fill, enumerate(model.named_parameters())))
+    return model
+
+
+def llama_config(args):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=max(args.seq, 128), use_cache=False, attn_implementation=args.attn,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
 
 
 def model_flops_per_step(model, args) -> float:
@@ -137,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--no-resident", action="store_true",
                    help="skip the resident baseline (and keep no copy of the initial weights)")
+    p.add_argument("--parallel-init", action="store_true",
+                   help="draw the initial weights on all host cores (for models of billions of parameters)")
     p.add_argument("--trace", default=None, help="write a Chrome trace of one more megatrain step here")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -187,7 +230,7 @@ def main(argv=None) -> int:
     if not args.no_resident:
         from transformers import LlamaForCausalLM
 
-        reference = LlamaForCausalLM(build_llama(args).config)
+        reference = LlamaForCausalLM(llama_config(args))
         reference.load_state_dict(initial)
         reference.to(device)
         ref_step = resident_training_step(reference, args.precision, device)
