@@ -208,8 +208,10 @@ class TrainingCompiler:
             run_passes(fw, fctx, keep_snapshots=snapshots)
             bctx = self._ctx("backward", plan)
             run_passes(bw, bctx, keep_snapshots=snapshots)
-            plan.forward = estimate_memory(fw, keep_outputs_alive=True)
-            plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw))
+            lowering = self.options.lowering
+            plan.forward = estimate_memory(fw, keep_outputs_alive=True, lowering=lowering)
+            plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw),
+                                            lowering=lowering)
             return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
 
         # Annotate once to learn the layers in forward order.
@@ -305,7 +307,7 @@ class TrainingCompiler:
         plan = TrainingPlan(policy="inference", budget=self.options.memory_budget)
         ctx = self._ctx("inference", plan)
         run_passes(gm, ctx)
-        plan.forward = estimate_memory(gm, keep_outputs_alive=False)
+        plan.forward = estimate_memory(gm, keep_outputs_alive=False, lowering=self.options.lowering)
         budget = self.options.memory_budget
         if budget is not None and plan.peak_bytes > budget:
             raise BudgetError(
@@ -363,10 +365,11 @@ def size_check(record: CompiledGraph, budget: int | None):
         key = tuple(sizes.values())
         if key in checked:
             return
-        estimates = [estimate_memory(record.forward, keep_outputs_alive=True, sizes=sizes)]
+        lowering = record.options.lowering
+        estimates = [estimate_memory(record.forward, keep_outputs_alive=True, sizes=sizes, lowering=lowering)]
         if record.backward is not None:
             estimates.append(estimate_memory(record.backward, keep_outputs_alive=False, input_storage=roots,
-                                             sizes=sizes))
+                                             sizes=sizes, lowering=lowering))
         worst = max(estimates, key=lambda e: e.peak_bytes)
         if worst.peak_bytes > budget:
             now = ", ".join(f"{sym}={v}" for sym, v in sizes.items())

@@ -3,7 +3,9 @@
 The estimate walks a rewritten graph in execution order: a device value is live from the op
 that produces it (or, for the backward, from the start: the saved activations) to its last
 use, where views keep their base alive and values the forward hands to the backward live to
-the end of the forward. The peak is the most bytes live at once.
+the end of the forward. Under the Inductor lowering a value read by a compiled segment lives
+to that segment's end (the runtime frees a segment's inputs when it returns). The peak is the
+most bytes live at once.
 """
 from __future__ import annotations
 
@@ -113,12 +115,24 @@ def storage_roots(gm: fx.GraphModule) -> dict[str, str]:
     return {n.name: storage_root(n, memo).name for n in gm.graph.nodes if n.op in ("placeholder", "call_function")}
 
 
+def runtime_segments(gm: fx.GraphModule, lowering: str) -> list[list[fx.Node]] | None:
+    """The runs the runtime compiles into one segment each (Inductor lowering), else None."""
+    if lowering != "inductor":
+        return None
+    from megacompile.runtime.executor import copying_device_segments
+
+    return copying_device_segments(gm)
+
+
 def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None,
-                    input_storage: dict[str, str] | None = None, sizes: dict | None = None) -> MemoryEstimate:
+                    input_storage: dict[str, str] | None = None, sizes: dict | None = None,
+                    lowering: str = "eager") -> MemoryEstimate:
     """``input_storage``: for the backward, which saved inputs share one forward storage
     (``storage_roots`` of the forward graph): they are one allocation, not several.
     ``sizes``: values of the graph's size symbols (sympy symbol -> int) to estimate at, for a
-    call whose shapes differ from the traced example's; None: the example's sizes."""
+    call whose shapes differ from the traced example's; None: the example's sizes.
+    ``lowering``: under "inductor", a value a compiled segment reads lives to the end of that
+    segment (runtime_segments), where the runtime frees it."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
@@ -154,6 +168,18 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
             else:
                 last = max(last, position[user])
         death[root] = max(death.get(root, 0), last)
+
+    # A compiled segment holds its inputs until it returns. (Values made inside a segment are
+    # Inductor's own buffers: freed at their last use, or never materialized when fused, so
+    # counting them op by op is an upper bound.)
+    for segment in runtime_segments(gm, lowering) or ():
+        inside = set(segment)
+        segment_end = position[segment[-1]]
+        for node in segment:
+            for read in node.all_input_nodes:
+                root = storage_root(read, memo)
+                if read not in inside and root in death:
+                    death[root] = max(death[root], segment_end)
 
     # A tuple op's outputs are held by the tuple until its last getitem has run; outputs
     # nobody takes apart (no getitem) still exist for that long.

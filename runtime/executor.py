@@ -91,6 +91,44 @@ def _is_trivial(node: fx.Node) -> bool:
     return node.target is operator.getitem or is_view_node(node)
 
 
+def copying_device_segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The runs of nodes that ``StreamingProgram`` compiles into one segment each under the
+    Inductor lowering on a device that copies (no host-memory sharing), in graph order.
+
+    The memory estimate needs them (plan.estimate_memory): a segment's inputs are held until
+    the segment returns (a compiled segment is called with its inputs as arguments, and the
+    instruction's frees run after it), so an input whose last reader is early in a segment
+    lives to the segment's end, not to that reader. The rules are ``_build``'s, without the
+    sharing case; tests/test_segment_cache.py checks that the two agree."""
+    segments: list[list[fx.Node]] = []
+    pending: list[fx.Node] = []
+
+    def close(run: list[fx.Node]) -> None:
+        if run and not all(_is_trivial(n) or n.target in _EXTERN_LIBRARY_KERNELS for n in run):
+            segments.append(run)
+
+    def flush() -> None:
+        run: list[fx.Node] = []
+        for n in pending:
+            if n.target in _ALWAYS_DIRECT:
+                close(run)
+                run = []
+            elif run or n.target is not operator.getitem:
+                run.append(n)
+        close(run)
+        pending.clear()
+
+    for node in gm.graph.nodes:
+        compute = (node.op == "call_function" and not ops.is_memory_op(node)
+                   and not (has_info(node) and info(node).placement == "host"))
+        if compute and (pending or not _is_trivial(node)):
+            pending.append(node)
+        else:
+            flush()
+    flush()
+    return segments
+
+
 class StreamingProgram:
     """A boxed callable (takes a list of inputs, which it empties) that runs one graph."""
 
