@@ -83,34 +83,38 @@ def test_cuda_hugging_face_llama_with_sdpa_attention(lowering):
 def test_cuda_bf16_trains_like_cpu_autocast(name, budget_fraction):
     """precision="bf16" on the GPU: bf16 compute and bf16 over the link, fp32 master weights,
     gradients and AdamW states on the host. megatrain traces under autocast's CPU op lists
-    (megacompile/backend.py), so the reference is eager CPU autocast with the same fp32 model;
-    the GPU's bf16 GEMMs round differently from the CPU's, so the check is relative: megatrain
-    is at least 4x closer to that reference than fp32 training is, in every step's loss and in
-    the final weights (benchmarks/bf16_autocast_policy.py compares with CUDA autocast too).
-    The tight budgets make the planner recompute or offload in bf16."""
+    (megacompile/backend.py), so the reference is eager CPU autocast with the same fp32 model.
+    From the same weights the first loss agrees to 2e-5 (measured on an H100: 0, 9e-7 and 9e-6
+    for mlp, gpt, llama; CUDA autocast's lists give 0, 4.5e-4 and 1.9e-4, see
+    benchmarks/bf16_autocast_policy.py) and is not the fp32 loss. After that the GPU's bf16
+    GEMMs, which round differently from the CPU's, let the runs drift apart at bf16's noise
+    level (4e-5 by step 4), far below what a misplaced cast does (about 1e-3). The tight
+    budgets make the planner recompute or offload in bf16."""
     torch.backends.cuda.matmul.allow_tf32 = False
     ctor, make_batch, loss_fn = REFERENCE_MODELS[name]
     torch.manual_seed(0)
     model = ctor()
     reference = copy.deepcopy(model)
-    fp32_run = copy.deepcopy(model)
+    fp32_model = copy.deepcopy(model).cuda()
     budget = int(training_state_bytes(model) * (budget_fraction or 0.25))
     step, _ = make_training_step(model, loss_fn)
     eager_step, _ = make_training_step(reference, loss_fn)
-    fp32_step, _ = make_training_step(fp32_run, loss_fn)
     step = torch.compile(step, backend="megatrain", options={
         "device": "cuda", "lowering": "eager", "precision": "bf16", "memory_budget": budget})
     gen = torch.Generator().manual_seed(1)
-    for _ in range(4):
+    for k in range(4):
         x, y = make_batch(gen)
+        if k == 0:
+            with torch.no_grad():
+                fp32 = loss_fn(fp32_model(x.cuda()), y.cuda()).item()
         got = step(x, y).item()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             want = eager_step(x, y).item()
-        fp32 = fp32_step(x, y).item()
-        assert abs(got - want) <= 0.25 * abs(fp32 - want), (got, want, fp32)
-    weight_gap = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    fp32_gap = max((p - q).abs().max().item() for p, q in zip(fp32_run.parameters(), reference.parameters()))
-    assert weight_gap <= 0.25 * fp32_gap, (weight_gap, fp32_gap)
+        if k == 0:
+            assert abs(got - want) <= 2e-5 * abs(want), (got, want)
+            assert abs(got - fp32) > 5e-6 * abs(fp32), (got, fp32)  # bf16 compute really ran
+        else:
+            assert abs(got - want) <= 5e-4 * abs(want), (k, got, want)
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
     report = megacompile.last_report()
     assert report.precision == "bf16"
