@@ -24,7 +24,7 @@ from . import _torch_compat as compat
 from .errors import BudgetError
 from .node_info import info
 from .options import Options, format_bytes
-from .plan import TrainingPlan, estimate_memory, storage_roots
+from .plan import TrainingPlan, allocation_granularity, estimate_memory, storage_roots
 from .report import RECORDER, LayerRow, StepReport
 
 _graph_counter = itertools.count()
@@ -208,10 +208,9 @@ class TrainingCompiler:
             run_passes(fw, fctx, keep_snapshots=snapshots)
             bctx = self._ctx("backward", plan)
             run_passes(bw, bctx, keep_snapshots=snapshots)
-            lowering = self.options.lowering
-            plan.forward = estimate_memory(fw, keep_outputs_alive=True, lowering=lowering)
-            plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw),
-                                            lowering=lowering)
+            how = dict(lowering=self.options.lowering, granularity=allocation_granularity(self.options.device))
+            plan.forward = estimate_memory(fw, keep_outputs_alive=True, **how)
+            plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw), **how)
             return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
 
         # Annotate once to learn the layers in forward order.
@@ -307,7 +306,8 @@ class TrainingCompiler:
         plan = TrainingPlan(policy="inference", budget=self.options.memory_budget)
         ctx = self._ctx("inference", plan)
         run_passes(gm, ctx)
-        plan.forward = estimate_memory(gm, keep_outputs_alive=False, lowering=self.options.lowering)
+        plan.forward = estimate_memory(gm, keep_outputs_alive=False, lowering=self.options.lowering,
+                                       granularity=allocation_granularity(self.options.device))
         budget = self.options.memory_budget
         if budget is not None and plan.peak_bytes > budget:
             raise BudgetError(
@@ -365,11 +365,11 @@ def size_check(record: CompiledGraph, budget: int | None):
         key = tuple(sizes.values())
         if key in checked:
             return
-        lowering = record.options.lowering
-        estimates = [estimate_memory(record.forward, keep_outputs_alive=True, sizes=sizes, lowering=lowering)]
+        how = dict(sizes=sizes, lowering=record.options.lowering,
+                   granularity=allocation_granularity(record.options.device))
+        estimates = [estimate_memory(record.forward, keep_outputs_alive=True, **how)]
         if record.backward is not None:
-            estimates.append(estimate_memory(record.backward, keep_outputs_alive=False, input_storage=roots,
-                                             sizes=sizes, lowering=lowering))
+            estimates.append(estimate_memory(record.backward, keep_outputs_alive=False, input_storage=roots, **how))
         worst = max(estimates, key=lambda e: e.peak_bytes)
         if worst.peak_bytes > budget:
             now = ", ".join(f"{sym}={v}" for sym, v in sizes.items())

@@ -101,12 +101,27 @@ def bytes_at(nbytes: Any, hint: int, sizes: dict | None) -> int:
     return int(value) if value.is_number else hint
 
 
-def _owned_bytes(node: fx.Node, sizes: dict | None = None) -> int:
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes (a 64-element bf16
+# bias takes 512 bytes, not 128), and its statistics, which the measured peak reads, count
+# the blocks. The CPU stand-in's tracker counts exact tensor bytes.
+_ALLOCATION_GRANULARITY = {"cuda": 512}
+
+
+def allocation_granularity(device: str) -> int:
+    """Bytes a device allocates in: every tensor's storage is rounded up to a multiple."""
+    return _ALLOCATION_GRANULARITY.get(device, 1)
+
+
+def allocated_bytes(nbytes: int, granularity: int) -> int:
+    return -(-nbytes // granularity) * granularity
+
+
+def _owned_bytes(node: fx.Node, sizes: dict | None = None, granularity: int = 1) -> int:
     if not has_info(node) or info(node).placement != "device":
         return 0
     if node.op == "call_function" and node.target in (ops.wait, ops.evict):
         return 0
-    return bytes_at(info(node).nbytes, info(node).nbytes_hint, sizes)
+    return allocated_bytes(bytes_at(info(node).nbytes, info(node).nbytes_hint, sizes), granularity)
 
 
 def storage_roots(gm: fx.GraphModule) -> dict[str, str]:
@@ -126,13 +141,14 @@ def runtime_segments(gm: fx.GraphModule, lowering: str) -> list[list[fx.Node]] |
 
 def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None,
                     input_storage: dict[str, str] | None = None, sizes: dict | None = None,
-                    lowering: str = "eager") -> MemoryEstimate:
+                    lowering: str = "eager", granularity: int = 1) -> MemoryEstimate:
     """``input_storage``: for the backward, which saved inputs share one forward storage
     (``storage_roots`` of the forward graph): they are one allocation, not several.
     ``sizes``: values of the graph's size symbols (sympy symbol -> int) to estimate at, for a
     call whose shapes differ from the traced example's; None: the example's sizes.
     ``lowering``: under "inductor", a value a compiled segment reads lives to the end of that
-    segment (runtime_segments), where the runtime frees it."""
+    segment (runtime_segments), where the runtime frees it.
+    ``granularity``: the device's allocation unit (allocation_granularity)."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
@@ -154,7 +170,7 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
         if node.op not in ("placeholder", "call_function"):
             continue
         root = storage_root(node, memo)
-        if _owned_bytes(root, sizes) == 0:
+        if _owned_bytes(root, sizes, granularity) == 0:
             continue
         born_at = 0 if root.op == "placeholder" else position[root]
         if root.op == "call_function" and root.target is operator.getitem:
@@ -194,7 +210,7 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
             if g in death:
                 death[g] = max(death[g], tuple_end)
         taken = {g.args[1] for g in getitems}
-        orphan = sum(bytes_at(tensor_nbytes(v), tensor_nbytes_hint(v), sizes)
+        orphan = sum(allocated_bytes(bytes_at(tensor_nbytes(v), tensor_nbytes_hint(v), sizes), granularity)
                      for i, v in enumerate(node.meta["val"]) if i not in taken)
         if orphan:
             orphans.append((position[node], tuple_end, orphan))
@@ -205,7 +221,7 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
         delta[dies_at + 1] -= size
     start_bytes = end_bytes = 0
     for root, b in birth.items():
-        size = _owned_bytes(root, sizes)
+        size = _owned_bytes(root, sizes, granularity)
         delta[b] += size
         delta[death[root] + 1] -= size
         if b == 0 and root.op == "placeholder":
