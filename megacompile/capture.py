@@ -232,7 +232,8 @@ class TrainingCompiler:
             from .cost_model import step_time
 
             return step_time(attempt.forward, attempt.backward, profile, optimizer_param_bytes=param_bytes,
-                             precision=self.options.precision).total_s
+                             precision=self.options.precision,
+                             overlap_optimizer=self.options.overlaps_optimizer).total_s
 
         from megacompile.passes.resident_parameters import used_in_both_phases
 

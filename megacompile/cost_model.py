@@ -550,12 +550,16 @@ class StepTimePrediction:
 
 def step_time(forward_gm: fx.GraphModule, backward_gm: fx.GraphModule | None, profile: HardwareProfile, *,
               optimizer_param_bytes: int, precision: str = "fp32", tokens: int | None = None,
-              synchronous_copies: bool | None = None, launch_overhead: float | None = None) -> StepTimePrediction:
-    """Predicted time of one training step: forward, then backward, then the host optimizer.
+              synchronous_copies: bool | None = None, launch_overhead: float | None = None,
+              overlap_optimizer: bool = False) -> StepTimePrediction:
+    """Predicted time of one training step: forward, backward and the host optimizer.
 
-    The optimizer runs after the backward has finished (synchronous today) over
-    ``optimizer_param_bytes / bytes-per-param`` parameters at
-    ``profile.estimated_host_adamw_params_per_s()``.
+    The optimizer updates ``optimizer_param_bytes / bytes-per-param`` parameters at
+    ``profile.estimated_host_adamw_params_per_s()``. Synchronous (``overlap_optimizer=False``):
+    after the backward has finished. Overlapped, as the runtime does it (megacompile/overlap.py):
+    each gradient's update runs on one host worker, in landing order, as soon as its offload
+    has landed (``optimizer_landings``); the step ends when both the backward and the worker
+    are done.
     """
     kw = dict(synchronous_copies=synchronous_copies, launch_overhead=launch_overhead)
     fwd = simulate(forward_gm, profile, precision, **kw)
@@ -566,9 +570,19 @@ def step_time(forward_gm: fx.GraphModule, backward_gm: fx.GraphModule | None, pr
     opt_bytes = params * ADAMW_BYTES_PER_PARAM
     device_end = sum(t.total_s for t in graphs)
     events = [e for t in graphs for e in t.events]
-    if opt_s:
-        events.append(TimelineEvent("host_optimizer", "optimizer_step", device_end, device_end + opt_s))
-    total = device_end + opt_s
+    if opt_s and overlap_optimizer and bwd is not None:
+        worker = 0.0  # when the host worker is free
+        landings = optimizer_landings(backward_gm, bwd, device_end)
+        scale = params / max(1, sum(n for _, n, _ in landings))  # the optimizer's count rules
+        for landed, numel, name in landings:
+            begin = max(worker, landed)
+            worker = begin + numel * scale / profile.estimated_host_adamw_params_per_s()
+            events.append(TimelineEvent("host_optimizer", name, begin, worker))
+        total = max(device_end, worker)
+    else:
+        if opt_s:
+            events.append(TimelineEvent("host_optimizer", "optimizer_step", device_end, device_end + opt_s))
+        total = device_end + opt_s
     per_layer: dict[str, LayerTime] = {}
     for t in graphs:
         for key, row in t.per_layer.items():
@@ -595,6 +609,25 @@ def step_time(forward_gm: fx.GraphModule, backward_gm: fx.GraphModule | None, pr
     )
 
 
+def optimizer_landings(backward_gm: fx.GraphModule, backward: LaneTimeline,
+                       device_end: float) -> list[tuple[float, int, str]]:
+    """(when it is on the host, elements, name) of each gradient the backward returns, in landing
+    order: an offloaded gradient (or the host cast of one, bf16) lands when its copy ends in the
+    simulated timeline; any other lands when the backward ends."""
+    copy_end = {e.name: e.end_s for e in backward.events if e.lane == "d2h"}
+    output = next(iter(backward_gm.graph.find_nodes(op="output")))
+    landings = []
+    for grad in fx.node.map_aggregate(output.args[0], lambda a: a):
+        if not isinstance(grad, fx.Node) or not isinstance(grad.meta.get("val"), torch.Tensor):
+            continue
+        source = grad
+        if source.target is not ops.offload and len(source.all_input_nodes) == 1:
+            source = source.all_input_nodes[0]  # a host cast of an offloaded bf16 gradient
+        landed = copy_end.get(source.name, device_end) if source.target is ops.offload else device_end
+        landings.append((landed, int_hint(grad.meta["val"].numel()), grad.name))
+    return sorted(landings)
+
+
 def optimizer_param_bytes(num_params: int, precision: str) -> int:
     """``step_time``'s ``optimizer_param_bytes`` for ``num_params`` parameters: their bytes in
     the precision's device dtype (the host keeps fp32 masters in both modes)."""
@@ -604,6 +637,7 @@ def optimizer_param_bytes(num_params: int, precision: str) -> int:
 def predict_record(record, profile: HardwareProfile, *, tokens: int | None = None, **kw) -> StepTimePrediction:
     """``step_time`` for a ``capture.CompiledGraph`` (its graphs, parameter count, precision)."""
     precision = getattr(record.options, "precision", "fp32")
+    kw.setdefault("overlap_optimizer", record.options.overlaps_optimizer)
     return step_time(record.forward, record.backward, profile,
                      optimizer_param_bytes=optimizer_param_bytes(record.num_params, precision),
                      precision=precision, tokens=tokens, **kw)

@@ -341,6 +341,37 @@ def test_step_time_chains_forward_backward_and_host_optimizer():
     assert "bottleneck: compute" in str(pred)
 
 
+def test_overlapped_host_optimizer_updates_each_gradient_as_it_lands():
+    """overlap_optimizer=True models what the runtime does (megacompile/overlap.py): one host
+    worker updates each returned gradient, in landing order, once its offload has landed; the
+    step ends when both the backward and the worker are done."""
+    fwd = Program()
+    w = fwd.input("w", (500, 500))
+    forward = fwd.done(fwd.mm(w, w))  # 0.25 ms
+    p = Program()
+    x, a, v = p.input("x", (1000, 1000)), p.input("a", (1000, 1000)), p.input("v", (500, 500))
+    g1 = p.mm(v, v)  # 0.25 ms
+    o1 = p.offload(g1)  # 1 MB: 1 ms on the d2h lane
+    y = p.mm(x, a)  # 2 ms, beside the copy
+    g2 = p.mm(v, v)
+    o2 = p.offload(g2)
+    del y
+    backward = p.done(o1, o2)
+    kw = dict(optimizer_param_bytes=2 * 500 * 500 * 4, launch_overhead=0.0)  # 0.25 ms of AdamW each
+    sync = cm.step_time(forward, backward, ROUND, **kw)
+    over = cm.step_time(forward, backward, ROUND, overlap_optimizer=True, **kw)
+    # Backward (from 0.25 ms): g1 lands at 1.5 ms, g2 at 3.75 ms, the backward ends at 3.75 ms.
+    assert sync.total_s == pytest.approx(4.25 * MS)
+    updates = [(e.start_s, e.end_s) for e in over.events if e.lane == "host_optimizer"]
+    assert updates == [pytest.approx((1.5 * MS, 1.75 * MS)), pytest.approx((3.75 * MS, 4.0 * MS))]
+    assert over.total_s == pytest.approx(4.0 * MS)
+    assert over.host_optimizer_s == sync.host_optimizer_s == pytest.approx(0.5 * MS)
+    # Gradients that land early hide their updates entirely when the worker keeps up.
+    landings = cm.optimizer_landings(backward, over.backward, 3.75 * MS)
+    assert [round(t / MS, 6) for t, _, _ in landings] == [1.5, 3.75]
+    assert [n for _, n, _ in landings] == [250_000, 250_000]
+
+
 def test_roofline_floor():
     # compute 1 ms; 3 MB at 1 GB/s = 3 ms; 1 MB = 1 ms; 20 MB at 10 GB/s = 2 ms.
     assert cm.roofline_floor(1 * MS, 3e6, 1e6, 2e7, ROUND) == pytest.approx(3 * MS)
