@@ -10,7 +10,7 @@ fp32 eager on the GPU, eager CPU autocast, eager CUDA autocast (with and without
 precision reductions), and megatrain bf16 on the GPU (eager lowering), each with its
 relative distance from megatrain's and from fp32's.
 
-    python benchmarks/bf16_autocast_policy.py [--out FILE]
+    python benchmarks/bf16_autocast_policy.py [--out FILE]   (default benchmarks/results/bf16_autocast_policy-<date>-cuda.txt)
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import megacompile  # noqa: E402,F401
 from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import write_result  # noqa: E402
 
 
 def first_loss(model, make_batch, loss_fn, device: str, autocast: str | None) -> float:
@@ -62,11 +65,7 @@ def main() -> int:
         for k, v in row.items():
             lines.append(f"  {k:<48}{v:>14.8f}   rel to megatrain {abs(v - mt) / abs(mt):.2e}   "
                          f"rel to fp32 {abs(v - fp) / abs(fp):.2e}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_result("\n".join(lines), "bf16_autocast_policy-{date}-cuda.txt", args.out)
     return 0
 
 
