@@ -529,6 +529,31 @@ def _peak_parts(fw_curve: list, bw_curve: list, fw_regions: dict, bw_regions: di
             "layers_bw": [top(bw[slice(*bw_regions[d])])[2] for d in decoder[1:]]}
 
 
+def _optimizer_landing_seconds(attempt, pred, profile: HardwareProfile, synchronous: bool) -> dict:
+    """What the overlapped host optimizer needs to be extrapolated (see
+    optimizer_exposed_seconds), from the traced program's backward: whether the runtime
+    overlaps it on this hardware (on a GPU, by default); how long after the backward starts the
+    first gradient lands; and the tail, how long the worker runs past the backward's end when
+    it updates this program's own gradients as they land (the last landings: the embedding,
+    the last tensors of the first layer)."""
+    from . import cost_model
+
+    if synchronous or pred.backward is None:
+        return {"overlapped": False, "first_landing_s": 0.0, "tail_seconds": 0.0}
+    rate = profile.estimated_host_adamw_params_per_s()
+    backward_start = pred.forward.total_s
+    device_end = backward_start + pred.backward.total_s
+    landings = cost_model.optimizer_landings(attempt.backward, pred.backward, device_end)
+    worker = 0.0
+    for landed, numel, _ in landings:
+        worker = max(worker, landed) + numel / rate
+    return {
+        "overlapped": True,
+        "first_landing_s": (landings[0][0] - backward_start) if landings else pred.backward.total_s,
+        "tail_seconds": max(0.0, worker - device_end),
+    }
+
+
 def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len: int, precision: str,
             num_params_full: int) -> Trace:
     from . import cost_model
@@ -612,13 +637,16 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
             # Copies run on the compute lane, one after another; a region holds the copies it
             # issues (the next layer's parameters), so count the layer's own copies instead.
             device_s = f_busy + b_busy + h2d_s + d2h_s
+            backward_s = b_busy + (one["backward_h2d_bytes"] / profile.h2d_bandwidth
+                                   + one["backward_d2h_bytes"] / profile.d2h_bandwidth)
         else:
             f_link = max(one["forward_h2d_bytes"] / profile.h2d_bandwidth, one["forward_d2h_bytes"] / profile.d2h_bandwidth)
             b_link = max(one["backward_h2d_bytes"] / profile.h2d_bandwidth, one["backward_d2h_bytes"] / profile.d2h_bandwidth)
             device_s = max(f_span, f_link) + max(b_span, b_link)
+            backward_s = max(b_span, b_link)
         flops = one["forward_flops"] + one["backward_flops"]
         per_layer = {
-            "device_s": device_s,
+            "device_s": device_s, "backward_s": backward_s,
             "lanes_s": {"compute": f_busy + b_busy, "h2d": h2d_s, "d2h": d2h_s},
             "flops": flops, "model_flops": flops - one["recompute_flops"],
             "h2d_bytes": one["forward_h2d_bytes"] + one["backward_h2d_bytes"],
@@ -628,6 +656,7 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
         }
         total = {
             "device_s": pred.total_s - pred.host_optimizer_s,
+            "backward_s": pred.backward.total_s if pred.backward is not None else 0.0,
             "lanes_s": {"compute": pred.compute_s, "h2d": pred.h2d_s, "d2h": pred.d2h_s},
             "flops": pred.flops, "model_flops": pred.model_flops,
             "h2d_bytes": pred.h2d_bytes, "d2h_bytes": pred.d2h_bytes,
@@ -644,7 +673,8 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
         if policy == "keep":
             keep_pred = pred
             host_optimizer = {"seconds": pred.host_optimizer_s, "bytes": pred.host_optimizer_bytes,
-                              "params": pred.optimizer_params}
+                              "params": pred.optimizer_params,
+                              **_optimizer_landing_seconds(a, pred, profile, synchronous)}
     # Working set of a layer after one with another policy (its backward prefetches the
     # predecessor's reloads): the second traced layer of a "pair" plan, less the first's saved bytes.
     pair_base: dict = {}
@@ -748,10 +778,13 @@ class DepthPlan:
     peak_region: str  # "early" (embedding, first layer), "layers" (a later layer) or "head" (head and loss)
     bytes_by_direction: dict = dataclasses.field(default_factory=dict)  # forward/backward h2d/d2h
     base_policy: str = "keep"  # the traced program the additive quantities extend
+    # The host optimizer's time the step waits for after the device work: all of it when it
+    # runs after the backward, the part the backward does not hide when it overlaps.
+    optimizer_exposed_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.device_s + self.lanes_s.get("host_optimizer", 0.0)
+        return self.device_s + self.optimizer_exposed_s
 
     @property
     def summary(self) -> str:
@@ -866,6 +899,7 @@ def evaluate(trace: Trace, counts: dict) -> DepthPlan:
              for lane in ("compute", "h2d", "d2h")}
     lanes["host_optimizer"] = trace.host_optimizer["seconds"]
     return DepthPlan(
+        optimizer_exposed_s=optimizer_exposed_seconds(trace.host_optimizer, total("backward_s")),
         counts=dict(counts), peak_bytes=peak, device_s=max(0.0, total("device_s")), lanes_s=lanes,
         flops=int(total("flops")), model_flops=int(total("model_flops")),
         h2d_bytes=int(total("h2d_bytes")), d2h_bytes=int(total("d2h_bytes")),
@@ -875,6 +909,22 @@ def evaluate(trace: Trace, counts: dict) -> DepthPlan:
                                                               "forward_d2h_bytes", "backward_d2h_bytes")},
         base_policy=base,
     )
+
+
+def optimizer_exposed_seconds(host_optimizer: dict, backward_s: float) -> float:
+    """The host optimizer's time not hidden by the device work, at full depth.
+
+    After the backward (synchronous): all of it. Overlapped (megacompile/overlap.py): one worker
+    updates each gradient once it lands. Where it keeps up with the landings, what is left at
+    the backward's end is the traced program's tail (the last landings), whatever the depth;
+    where it falls behind, it is busy from the first landing on and the backward hides only
+    what follows that landing. The overlapped ``cost_model.step_time`` of a real program checks
+    both (tests/test_plan_cmd.py)."""
+    total = host_optimizer["seconds"]
+    if not host_optimizer.get("overlapped"):
+        return total
+    hidden_by = max(0.0, backward_s - host_optimizer["first_landing_s"])
+    return min(total, max(host_optimizer["tail_seconds"], total - hidden_by))
 
 
 def _all_counts(num_layers: int, policies=POLICIES):
@@ -1325,6 +1375,8 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
             "roofline_s": roofline_floor(lanes["compute"], plan.h2d_bytes, plan.d2h_bytes,
                                          trace.host_optimizer["bytes"], profile),
             "host_optimizer_params": trace.host_optimizer["params"],
+            "host_optimizer_overlapped": bool(trace.host_optimizer.get("overlapped")),
+            "host_optimizer_exposed_s": plan.optimizer_exposed_s,
         },
         problems=problems,
         suggestions=suggestions,
@@ -1393,6 +1445,9 @@ def format_text(r: dict) -> str:
         f"  step             {_seconds(tm['step_s'])} (roofline floor {_seconds(tm['roofline_s'])})",
         "  lanes            " + " | ".join(f"{k.replace('_', ' ')} {_seconds(v)}" for k, v in tm["lanes_s"].items())
         + f"  -> bottleneck: {tm['bottleneck'].replace('_', ' ')}",
+        f"  host optimizer   {_seconds(tm['host_optimizer_exposed_s'])} after the device work ("
+        + ("overlapped with the backward: each gradient's update starts when it lands)"
+           if tm["host_optimizer_overlapped"] else "runs after the backward)"),
         f"  throughput       {tm['tokens_per_s']:,.0f} tokens/s, {tm['achieved_tflops']:.1f} TFLOPS, "
         f"MFU {tm['mfu']:.1%}",
     ]
