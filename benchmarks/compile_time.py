@@ -14,7 +14,8 @@ allocated; the numbers are compile and planning time only):
       whole candidate ladder, as it does for models that do not fit).
   (b) `plan_model`: traces k=2 layers (every policy, from one trace) and extrapolates to N,
       under the same two budgets.
-  (c) the decoder layers marked with `torch.compiler.nested_compile_region`, beside
+  (c) the decoder layers marked with `torch.compiler.nested_compile_region` (by
+      `megacompile.mark_repeated_layers`, which finds them), beside
       torch.compile's own capture of the same step (backend "eager": Dynamo alone;
       "aot_eager": Dynamo + AOTAutograd), marked and not: what megatrain adds to the capture
       every torch.compile backend pays, and how each grows per layer.
@@ -47,20 +48,6 @@ def small_llama(layers: int) -> dict:
     return cfg
 
 
-class _MarkedLayers:
-    """Marks the decoder layer class with torch.compiler.nested_compile_region while active."""
-
-    def __init__(self, model) -> None:
-        self.cls = type(model.model.layers[0])
-
-    def __enter__(self):
-        self.original = self.cls.forward
-        self.cls.forward = torch.compiler.nested_compile_region(self.original)
-
-    def __exit__(self, *exc):
-        self.cls.forward = self.original
-
-
 def _two_calls(model, seq_len: int, budget: int | None = None, backend: str = "megatrain") -> tuple[float, float]:
     """(first call s, second call s) of the compiled training step of ``model`` on meta."""
     kwargs = {"backend": backend}
@@ -86,10 +73,8 @@ def compile_seconds(cfg: dict, seq_len: int, backend: str, marked: bool) -> floa
     capture.COMPILED.clear()
     model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
     if marked:
-        with _MarkedLayers(model):
-            first, second = _two_calls(model, seq_len, backend=backend)
-    else:
-        first, second = _two_calls(model, seq_len, backend=backend)
+        assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
+    first, second = _two_calls(model, seq_len, backend=backend)
     plan_cmd._reset_dynamo()
     return first - second
 
@@ -222,7 +207,8 @@ def main(argv=None) -> int:
     table_c = len(lines)  # where table (c) and the notes start
     lines += [
         "",
-        "(c) decoder layers marked with torch.compiler.nested_compile_region (budget 'none'): Dynamo traces the",
+        "(c) decoder layers marked with torch.compiler.nested_compile_region by megacompile.mark_repeated_layers",
+        "(budget 'none'): Dynamo traces the",
         "layer once and calls it per layer; AOTAutograd traces and partitions the layer once (its schema derived",
         "once: compat.invoke_subgraph_schema_memo); megatrain inlines the partitioned bodies per call",
         "(megacompile/inline_regions.py), so the passes and the planner still see every layer",

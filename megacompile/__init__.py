@@ -11,12 +11,14 @@ from . import ops  # noqa: F401  (registers the megatrain op library)
 from .backend import megatrain
 from .errors import BudgetError, MegacompileError, OptionsError, PlacementError
 from .options import Options, parse_options
+from .repeats import mark_repeated_layers, unmark_repeated_layers
 from .report import StepReport, last_report
 from .runtime.trace import trace_runtime
 
 __all__ = [
     "BudgetError", "MegacompileError", "Options", "OptionsError", "PlacementError", "StepReport",
-    "last_report", "megatrain", "parse_options", "trace_runtime",
+    "last_report", "mark_repeated_layers", "megatrain", "parse_options", "trace_runtime",
+    "unmark_repeated_layers",
 ]
 
 

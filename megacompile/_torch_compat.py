@@ -106,6 +106,12 @@ def save_everything_partition(joint: fx.GraphModule, num_fwd_outputs: int) -> tu
     return _partitioners.default_partition(joint, [], num_fwd_outputs=num_fwd_outputs)
 
 
+def is_compile_region(fn: Any) -> bool:
+    """Whether ``fn`` is already wrapped by ``torch.compiler.nested_compile_region`` (the wrapper
+    carries the attribute ``mark_compile_region`` sets, in 2.11 and 2.13)."""
+    return hasattr(fn, "__marked_compile_region_fn__")
+
+
 def is_sym_node(node: fx.Node) -> bool:
     from torch.fx.experimental.proxy_tensor import is_sym_node as _is_sym_node
 

@@ -232,3 +232,56 @@ def test_a_marked_body_schema_is_derived_once_not_per_call(monkeypatch):
     # one per call.
     assert derived and len(derived) == len(set(derived)), derived
     assert "gen_schema" not in vars(hop)  # the memo is gone once the step graph is compiled
+
+
+def test_repeated_layers_the_user_did_not_mark_are_found_and_traced_once(monkeypatch):
+    """megacompile.mark_repeated_layers finds a stock transformers Llama's decoder layers (one
+    run of three in model.layers, nothing else) and marks each instance, not the class:
+    AOTAutograd partitions the layer once, training equals eager, another instance of the
+    class is untouched, and unmarking restores the class's forward."""
+    from reference_models import labels_training_step, tiny_llama
+
+    body_partitions = []
+    original_partition = compat.save_everything_partition
+
+    def counting_partition(joint, num_fwd_outputs):
+        body_partitions.append(joint)
+        return original_partition(joint, num_fwd_outputs)
+
+    monkeypatch.setattr(compat, "save_everything_partition", counting_partition)
+    torch.manual_seed(0)
+    model = tiny_llama(3)
+    reference = copy.deepcopy(model)
+    bystander = tiny_llama(2)
+    assert megacompile.repeats.find_repeats(model) == [[f"model.layers.{i}" for i in range(3)]]
+    assert megacompile.mark_repeated_layers(model) == [f"model.layers.{i}" for i in range(3)]
+    assert megacompile.mark_repeated_layers(model) == []  # marked already
+    layer_class = type(model.model.layers[0])
+    assert not compat.is_compile_region(layer_class.forward)
+    assert all("forward" not in vars(layer) for layer in bystander.model.layers)
+
+    compiled = torch.compile(labels_training_step(model), backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", "memory_budget": 700_000})
+    eager = labels_training_step(reference)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randint(0, 96, (2, 16), generator=gen)
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    assert _once_per_body(body_partitions)
+    report = megacompile.last_report()
+    assert report.measured_peak_device_bytes == report.planned_peak_device_bytes <= 700_000
+    assert megacompile.unmark_repeated_layers(model) == [f"model.layers.{i}" for i in range(3)]
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+
+
+def test_find_repeats_needs_the_same_class_and_shapes():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 8), nn.Linear(8, 8),
+                        nn.Linear(8, 8), nn.Linear(8, 8))
+    # ReLU (no parameters) is no layer; Linear(4, 8) differs in shape from its neighbours.
+    assert megacompile.repeats.find_repeats(net) == [["0", "1"], ["4", "5", "6"]]
+    holder = nn.ModuleDict({"blocks": nn.ModuleList(MarkedBlock(8) for _ in range(2))})
+    # MarkedBlock's class forward is a region already: found, but not marked again.
+    assert megacompile.repeats.find_repeats(holder) == [["blocks.0", "blocks.1"]]
+    assert megacompile.mark_repeated_layers(holder) == []

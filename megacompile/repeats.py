@@ -1,0 +1,89 @@
+"""Mark repeated layers the user did not mark, so that torch.compile traces each kind once.
+
+A transformer's decoder layers are one module class applied N times to parameters of the same
+shapes. Marked with ``torch.compiler.nested_compile_region``, Dynamo traces the layer's body
+once and calls it per layer, and AOTAutograd partitions it once (megatrain then inlines the
+calls, megacompile/inline_regions.py): compile time grows at about half the rate per layer
+(benchmarks/compile_time.py, table (c)). Most users do not mark their layers, and the classes
+come from libraries (transformers), so this module finds them:
+
+* a repeat is a run of two or more children of one ``nn.ModuleList`` / ``nn.Sequential`` with
+  the same class and the same parameter and buffer names, shapes and dtypes;
+* each child's ``forward`` becomes an instance attribute bound to one region-wrapped function
+  per class: the class itself (and every other model using it) is left as it was, and
+  ``unmark_repeated_layers`` removes the attributes again.
+
+What a region requires is the user's to keep: the layer's forward must not mutate module
+state or depend on Python-side state that changes from call to call (Hugging Face decoder
+layers qualify; a layer that caches on ``self`` does not).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+from . import _torch_compat as compat
+
+# The attribute that says megacompile put this forward there (and may take it away).
+_MARK = "_megacompile_repeat_region"
+
+
+def _signature(module: nn.Module) -> tuple:
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    return (type(module), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
+
+
+def find_repeats(model: nn.Module) -> list[list[str]]:
+    """Module paths of each run of repeated layers (two or more, consecutive, in one container)."""
+    runs: list[list[str]] = []
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        run: list[str] = []
+        previous = None
+        for name, child in container.named_children():
+            signature = _signature(child)
+            if signature != previous and len(run) >= 2:
+                runs.append(run)
+            if signature != previous:
+                run = []
+            if any(True for _ in child.parameters()):  # a parameterless module is not a layer
+                run.append(f"{path}.{name}" if path else name)
+            previous = signature
+        if len(run) >= 2:
+            runs.append(run)
+    return runs
+
+
+def mark_repeated_layers(model: nn.Module) -> list[str]:
+    """Wrap the forward of every repeated layer with ``torch.compiler.nested_compile_region``
+    (one region per class) before ``torch.compile``; returns the module paths marked.
+
+    Layers whose class's forward is marked already, or whose instance has its own forward,
+    are left alone."""
+    regions: dict[type, object] = {}
+    marked: list[str] = []
+    for run in find_repeats(model):
+        for path in run:
+            layer = model.get_submodule(path)
+            cls = type(layer)
+            if "forward" in vars(layer) or compat.is_compile_region(cls.forward):
+                continue
+            if cls not in regions:
+                regions[cls] = torch.compiler.nested_compile_region(cls.forward)
+            layer.forward = types.MethodType(regions[cls], layer)
+            setattr(layer, _MARK, True)
+            marked.append(path)
+    return marked
+
+
+def unmark_repeated_layers(model: nn.Module) -> list[str]:
+    """Undo ``mark_repeated_layers``: the layers' class forward applies again."""
+    unmarked = []
+    for path, module in model.named_modules():
+        if vars(module).pop(_MARK, False):
+            vars(module).pop("forward", None)
+            unmarked.append(path)
+    return unmarked
