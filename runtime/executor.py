@@ -98,35 +98,49 @@ def copying_device_segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
     The memory estimate needs them (plan.estimate_memory): a segment's inputs are held until
     the segment returns (a compiled segment is called with its inputs as arguments, and the
     instruction's frees run after it), so an input whose last reader is early in a segment
-    lives to the segment's end, not to that reader. The rules are ``_build``'s, without the
-    sharing case; tests/test_segment_cache.py checks that the two agree."""
+    lives to the segment's end, not to that reader. The runs are cut as ``_build`` cuts them
+    (``_split_run``), without the sharing case; tests/test_segment_cache.py checks that the two
+    agree."""
     segments: list[list[fx.Node]] = []
     pending: list[fx.Node] = []
-
-    def close(run: list[fx.Node]) -> None:
-        if run and not all(_is_trivial(n) or n.target in _EXTERN_LIBRARY_KERNELS for n in run):
-            segments.append(run)
-
-    def flush() -> None:
-        run: list[fx.Node] = []
-        for n in pending:
-            if n.target in _ALWAYS_DIRECT:
-                close(run)
-                run = []
-            elif run or n.target is not operator.getitem:
-                run.append(n)
-        close(run)
-        pending.clear()
-
-    for node in gm.graph.nodes:
-        compute = (node.op == "call_function" and not ops.is_memory_op(node)
+    for node in [*gm.graph.nodes, None]:
+        compute = (node is not None and node.op == "call_function" and not ops.is_memory_op(node)
                    and not (has_info(node) and info(node).placement == "host"))
         if compute and (pending or not _is_trivial(node)):
             pending.append(node)
         else:
-            flush()
-    flush()
+            segments += [piece for compiled, piece in _split_run(pending) if compiled]
+            pending = []
     return segments
+
+
+def _split_run(pending: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
+    """A run of compute ops (between two memory ops) as (compiled, nodes) pieces in order: one
+    compiled segment per stretch, GEMMs included (Inductor calls the same library for them),
+    and the ops that run directly. Attention runs directly and splits the run. A getitem
+    leading a stretch (a kernel's results taken apart) runs as it is, so a segment starts from
+    tensors, not from a kernel's tuple; leading views join it (Inductor takes views of its
+    inputs for free). A stretch of views, tuple access and library calls only has nothing to
+    fuse: its ops run as they are."""
+    pieces: list[tuple[bool, list[fx.Node]]] = []
+    stretch: list[fx.Node] = []
+
+    def close() -> None:
+        if stretch:
+            fusable = not all(_is_trivial(n) or n.target in _EXTERN_LIBRARY_KERNELS for n in stretch)
+            pieces.append((fusable, list(stretch)))
+            stretch.clear()
+
+    for n in pending:
+        if n.target in _ALWAYS_DIRECT:
+            close()
+            pieces.append((False, [n]))
+        elif not stretch and n.target is operator.getitem:
+            pieces.append((False, [n]))
+        else:
+            stretch.append(n)
+    close()
+    return pieces
 
 
 class StreamingProgram:
@@ -205,35 +219,13 @@ class StreamingProgram:
             return Instruction("op", [slot_of(node)], (template(node.args), template(node.kwargs)),
                                fn=node.target, name=node.name, layer=info(node).layer if has_info(node) else None)
 
-        def emit(run: list[fx.Node]) -> None:
-            if not run:
-                return
-            if all(_is_trivial(n) or n.target in _EXTERN_LIBRARY_KERNELS for n in run):
-                # Views, tuple access and library calls only: nothing to fuse, so they run
-                # as they are.
-                self.instructions.extend(op_instruction(n) for n in run)
-            else:
-                self.instructions.append(self._segment(run, slot_of, nodes))
-
         def flush() -> None:
             nonlocal run_layer
-            # A run of compute between two memory ops becomes one compiled segment, GEMMs
-            # included (Inductor calls the same library for them); attention runs directly
-            # and splits the run.
-            run: list[fx.Node] = []
-            for n in pending:
-                if n.target in _ALWAYS_DIRECT:
-                    emit(run)
-                    run = []
-                    self.instructions.append(op_instruction(n))
-                elif not run and n.target is operator.getitem:
-                    # A getitem leading a run (a kernel's results taken apart) runs as it is:
-                    # the segment then starts from tensors, not from a kernel's tuple. Leading
-                    # views join the segment (Inductor takes views of its inputs for free).
-                    self.instructions.append(op_instruction(n))
+            for compiled, piece in _split_run(pending):
+                if compiled:
+                    self.instructions.append(self._segment(piece, slot_of, nodes))
                 else:
-                    run.append(n)
-            emit(run)
+                    self.instructions.extend(op_instruction(n) for n in piece)
             pending.clear()
             in_run.clear()
             self.instructions.extend(after_run.values())
