@@ -1,6 +1,6 @@
 """Compile + plan time against depth: a full-depth megatrain compile vs `megacompile plan`.
 
-Usage:  python benchmarks/compile_time.py [--layers 8,16,32,64] [--seq-len 256] [--no-save]
+Usage:  python benchmarks/compile_time.py [--layers 8,16,32,64] [--seq-len 256] [--no-save] [--template-only]
 
 For each depth N of a small Llama config (the llama-3-8b preset scaled down: hidden 256,
 MLP 688, 4 heads of 64, 2 KV heads, vocabulary 1024), on the meta device (nothing is
@@ -20,6 +20,9 @@ allocated; the numbers are compile and planning time only):
       "aot_eager": Dynamo + AOTAutograd), marked and not: what megatrain adds to the capture
       every torch.compile backend pays, and how each grows per layer.
   (d) the Inductor lowering on real CPU tensors: segments compiled once and reused.
+  (g) with --template-only: layers marked, a tight budget, plan_repeats='flat' vs 'template'
+      (megacompile/template_planner.py): compile time, the chosen plan's predicted step time
+      and peak, the template's extrapolated peak, how often the full graph was built.
 
 Output: a table on stdout, saved to benchmarks/results/compile_time-<date>-cpu-2core.txt.
 """
@@ -104,6 +107,64 @@ def full_compile(cfg: dict, seq_len: int, budget: int | None) -> tuple[float, fl
     return first, second, policy, plan.peak_bytes, same
 
 
+def marked_tight(cfg: dict, seq_len: int, mode: str, budget: int | None) -> tuple[float, object]:
+    """(compile s, the step's plan) of the full-depth step with its layers marked by
+    mark_repeated_layers, under ``budget`` (None: no budget), planned with plan_repeats=``mode``."""
+    plan_cmd._reset_dynamo()
+    capture.COMPILED.clear()
+    model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
+    assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
+    compiled = torch.compile(plan_cmd.make_step(model), backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "hardware": "h200", "memory_budget": budget, "plan_repeats": mode})
+    x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with plan_cmd._meta_placement():
+        t0 = time.perf_counter()
+        compiled(x, x)
+        t1 = time.perf_counter()
+        compiled(x, x)
+        t2 = time.perf_counter()
+    record = next(r for r in capture.COMPILED if r.plan is not None and r.plan.policy != "inference")
+    plan_cmd._reset_dynamo()
+    return (t1 - t0) - (t2 - t1), record.plan
+
+
+def template_table(depths: list[int], seq_len: int) -> list[str]:
+    """(g) Layers marked, tight budget (half the keep-everything peak): the flat planner (every
+    candidate built over all N layers) vs the template planner (candidates built on 3- and
+    4-layer copies, one rung built over all N)."""
+    lines = [
+        "(g) layers marked by mark_repeated_layers, budget 'tight' (half the keep-everything peak): plan_repeats='flat'",
+        "(every candidate built over the full graph) vs 'template' (megacompile/template_planner.py: candidates built",
+        "on 3- and 4-layer copies of the step and extrapolated; the chosen rung built over the full graph);",
+        "compile s = first call - second call; pred ms = the cost model's step time of the chosen plan (h200 profile)",
+        f"{'layers':>6} {'flat: compile s':>16} {'pred ms':>8} {'peak MiB':>9} | {'template: compile s':>20} "
+        f"{'pred ms':>8} {'peak MiB':>9} {'extrapolated MiB':>17} {'full builds':>12} {'candidates':>11}  template plan",
+    ]
+    print("\n".join(lines), flush=True)
+    rows = []
+    for n in depths:
+        cfg = small_llama(n)
+        _, generous = marked_tight(cfg, seq_len, "flat", None)
+        budget = generous.peak_bytes // 2
+        flat_s, flat = marked_tight(cfg, seq_len, "flat", budget)
+        tpl_s, tpl = marked_tight(cfg, seq_len, "template", budget)
+        t = tpl.template or {}
+        row = (f"{n:>6} {flat_s:>16.2f} {flat.predicted_seconds * 1e3:>8.3f} {flat.peak_bytes / 2**20:>9.2f} | "
+               f"{tpl_s:>20.2f} {tpl.predicted_seconds * 1e3:>8.3f} {tpl.peak_bytes / 2**20:>9.2f} "
+               f"{t.get('extrapolated_peak', float('nan')) / 2**20:>17.2f} {t.get('full_builds', '-'):>12} "
+               f"{t.get('candidates', '-'):>11}  {tpl.policy}")
+        rows.append((n, flat_s, tpl_s))
+        print(row, flush=True)
+        lines.append(row)
+    if len(rows) > 1:
+        span = rows[-1][0] - rows[0][0]
+        row = (f"s/layer {(rows[-1][1] - rows[0][1]) / span:>15.3f} {'':>8} {'':>9} | "
+               f"{(rows[-1][2] - rows[0][2]) / span:>20.3f}")
+        print(row, flush=True)
+        lines.append(row)
+    return lines
+
+
 def planned(cfg: dict, seq_len: int, budget: int | None):
     plan_cmd._TRACE_CACHE.clear()
     t0 = time.perf_counter()
@@ -152,7 +213,26 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--inductor-layers", default="2,4,8", help="depths of the Inductor-lowering table (d)")
+    p.add_argument("--template-only", action="store_true",
+                   help="only table (g), flat vs template planning, saved as compile_time-<date>-cpu-2core-template.txt")
     args = p.parse_args(argv)
+    if args.template_only:
+        started = datetime.datetime.now()
+        load_before = os.getloadavg()[0]
+        head = [f"compile + plan time vs depth, flat vs template planning  {started:%Y-%m-%d %H:%M}  (cpu-2core)",
+                f"cpu: {platform.processor() or platform.machine()} x{os.cpu_count()} logical; torch {torch.__version__}, "
+                f"threads {torch.get_num_threads()}, python {platform.python_version()}",
+                f"model: llama-3-8b preset scaled down (as tables (a)-(c)), batch 1 x seq {args.seq_len}, fp32, meta device", ""]
+        print("\n".join(head), flush=True)
+        lines = head + template_table([int(x) for x in args.layers.split(",") if x], args.seq_len)
+        lines.append(f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} "
+                     "logical CPUs")
+        if not args.no_save:
+            out = os.path.join(HERE, "results", f"compile_time-{started:%Y-%m-%d}-cpu-2core-template.txt")
+            with open(out, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+            print(f"wrote {os.path.relpath(out)}", file=sys.stderr)
+        return 0
     depths = [int(x) for x in args.layers.split(",") if x]  # --layers "": table (d) only
 
     load_before = os.getloadavg()[0]

@@ -181,6 +181,10 @@ def main(argv=None) -> int:
     p.add_argument("--parallel-init", action="store_true",
                    help="draw the initial weights on all host cores (for models of billions of parameters)")
     p.add_argument("--trace", default=None, help="write a Chrome trace of one more megatrain step here")
+    p.add_argument("--mark-repeats", action="store_true",
+                   help="megacompile.mark_repeated_layers(model) before compiling (Dynamo traces one layer)")
+    p.add_argument("--plan-repeats", choices=("auto", "template", "flat"), default=None,
+                   help="the plan_repeats option (how marked repeated layers are planned)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = args.device
@@ -205,6 +209,10 @@ def main(argv=None) -> int:
     options = {"device": device, "lowering": lowering, "memory_budget": budget, "precision": args.precision}
     if args.hardware:
         options["hardware"] = args.hardware
+    if args.plan_repeats:
+        options["plan_repeats"] = args.plan_repeats
+    if args.mark_repeats:
+        progress(f"marked {len(megacompile.mark_repeated_layers(model))} repeated layers")
     step = torch.compile(labels_training_step(model), backend="megatrain", options=options)
     start = time.perf_counter()
     warm_losses, warm_times = timed_steps(step, batches[:2], device)
@@ -255,6 +263,8 @@ def main(argv=None) -> int:
         f"model FLOPs/step {flops / 1e12:.1f} TFLOP",
         f"training state (params + grads + AdamW) {state / GiB:.2f} GiB; megatrain budget "
         f"{budget / GiB:.2f} GiB ({args.budget_frac:.0%}); lowering {lowering}; policy {report.policy}",
+        f"layers marked by mark_repeated_layers: {args.mark_repeats}; plan_repeats {args.plan_repeats or 'auto'}; "
+        f"template planning: {record.plan.template}",
         "",
         f"{'':<26}{'step s (median)':>16}{'tokens/s':>12}{'TFLOPS':>9}",
         f"{'megatrain (streaming)':<26}{ours_s:>16.3f}{tokens / ours_s:>12,.0f}{flops / ours_s / 1e12:>9.1f}",

@@ -22,6 +22,7 @@ from megacompile.passes import PassContext, run_passes
 
 from . import _torch_compat as compat
 from .errors import BudgetError
+from . import inline_regions
 from .node_info import info
 from .options import Options, format_bytes
 from .plan import TrainingPlan, allocation_granularity, estimate_memory, storage_roots
@@ -180,20 +181,12 @@ class TrainingCompiler:
         return PassContext(self.options, stage, plan, self.input_names, self.input_roles, num_user_outputs)
 
     # --- AOTAutograd callbacks ----------------------------------------------------------
-    def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_unused):
-        from .hardware import get_profile
-        from .inline_regions import inline_partitioned_regions
-        from .planner import Attempt, plan_training
+    def _builder(self, joint: fx.GraphModule, num_fwd_outputs: int):
+        """``build(plan)`` for one joint graph: partition it under the plan, run the passes on
+        both halves, estimate their memory."""
+        def build(plan: TrainingPlan, snapshots: bool = False):
+            from .planner import Attempt
 
-        if isinstance(joint_inputs, (list, tuple)) and len(joint_inputs) == 0:
-            # AOTAutograd partitions a nested_compile_region body's own joint graph (once per
-            # distinct body, with no inputs) before the step's: save everything its backward
-            # reads. The step's plan decides keep / offload / recompute on the inlined copies.
-            return compat.save_everything_partition(joint, num_fwd_outputs)
-        inline_partitioned_regions(joint)
-        joint._megatrain_num_fwd_outputs = num_fwd_outputs
-
-        def build(plan: TrainingPlan, snapshots: bool = False) -> Attempt:
             # Candidates are built without the inspect snapshots (formatting every graph after
             # every pass was a third of the planning time); the chosen plan is built again
             # with them.
@@ -213,32 +206,83 @@ class TrainingCompiler:
             plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw), **how)
             return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
 
-        # Annotate once to learn the layers in forward order.
-        run_passes(joint, self._ctx("joint", TrainingPlan()), keep_snapshots=False)
+        return build
+
+    def _prepare(self, joint: fx.GraphModule) -> tuple[list[str], list[str]]:
+        """Annotates an (inlined) joint graph once; returns its layers in forward order and the
+        parameters both passes read (the residency candidates)."""
+        from megacompile.passes.resident_parameters import used_in_both_phases
+
         from .cost_model import remember_flops
 
+        run_passes(joint, self._ctx("joint", TrainingPlan()), keep_snapshots=False)
         remember_flops(joint)  # every candidate's graphs copy these nodes: count their FLOPs once
         layers: list[str] = []
         for node in joint.graph.nodes:
             layer = info(node).layer if node.op == "call_function" and compat.is_forward_tagged(node) else None
             if layer and layer not in layers:
                 layers.append(layer)
-        profile = get_profile(self.options.hardware_profile())
-        from .cost_model import optimizer_param_bytes
+        return layers, [info(n).source for n in used_in_both_phases(joint)]
 
+    def _templates(self, joint: fx.GraphModule, num_fwd_outputs: int, make_maker) -> tuple[list, int]:
+        """Short copies of the (not yet inlined) joint graph to plan its repeated layers on
+        (``template_planner``), and how many repeated layers the full graph has; ([], 0) where
+        the option, the budget or the graph's structure rules them out."""
+        from .template_planner import DEPTHS, MIN_LAYERS, Template
+        from .truncate_repeats import find_repeat_chain, truncated_joint
+
+        mode = self.options.plan_repeats
+        if mode == "flat" or self.options.memory_budget is None or self.options.recompute == "always":
+            return [], 0
+        chain = find_repeat_chain(joint)
+        if chain is None or len(chain) < MIN_LAYERS[mode]:
+            return [], 0
+        templates = []
+        for k in DEPTHS:
+            short = truncated_joint(joint, chain, k)
+            if short is None:
+                return [], 0
+            inline_regions.inline_partitioned_regions(short)
+            _, resident = self._prepare(short)
+            templates.append(Template(k, make_maker(self._builder(short, num_fwd_outputs)), short, resident))
+        return templates, len(chain)
+
+    # --- AOTAutograd callbacks ----------------------------------------------------------
+    def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_unused):
+        from .cost_model import optimizer_param_bytes, step_time
+        from .hardware import get_profile
+        from .planner import PlanMaker, plan_training
+        from .template_planner import plan_with_templates
+
+        if isinstance(joint_inputs, (list, tuple)) and len(joint_inputs) == 0:
+            # AOTAutograd partitions a nested_compile_region body's own joint graph (once per
+            # distinct body, with no inputs) before the step's: save everything its backward
+            # reads. The step's plan decides keep / offload / recompute on the inlined copies.
+            return compat.save_everything_partition(joint, num_fwd_outputs)
+        profile = get_profile(self.options.hardware_profile())
         param_bytes = optimizer_param_bytes(self.record.num_params, self.options.precision)
 
-        def predict_seconds(attempt: Attempt) -> float:
-            from .cost_model import step_time
-
+        def predict_seconds(attempt) -> float:
             return step_time(attempt.forward, attempt.backward, profile, optimizer_param_bytes=param_bytes,
                              precision=self.options.precision,
                              overlap_optimizer=self.options.overlaps_optimizer).total_s
 
-        from megacompile.passes.resident_parameters import used_in_both_phases
+        def make_maker(build) -> PlanMaker:
+            return PlanMaker(build, self.options, profile, predict_seconds)
 
-        both_phases = [info(n).source for n in used_in_both_phases(joint)]
-        chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases, joint=joint)
+        # Before inlining: the repeated layers are still one call each, which is what the
+        # short copies are cut from.
+        templates, repeated = self._templates(joint, num_fwd_outputs, make_maker)
+        inline_regions.inline_partitioned_regions(joint)
+        joint._megatrain_num_fwd_outputs = num_fwd_outputs
+        build = self._builder(joint, num_fwd_outputs)
+        layers, both_phases = self._prepare(joint)
+        chosen = None
+        if templates:
+            chosen = plan_with_templates(make_maker(build), joint, both_phases, templates, repeated,
+                                         self.options, profile)
+        if chosen is None:
+            chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases, joint=joint)
         if not chosen.snapshots:  # built as a candidate: again, with inspect's snapshots
             priced = chosen.peak
             chosen = build(chosen.plan, snapshots=True)

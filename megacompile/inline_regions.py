@@ -18,6 +18,11 @@ import torch.fx as fx
 
 from . import _torch_compat as compat
 
+# node.meta key on every inlined copy: (the body's attribute name, the body node's name). The
+# copies of one body node in every layer share it, which is how a decision made for one
+# layer of a template (``template_planner``) names the same value in every other layer.
+BODY_NODE = "megatrain_body_node"
+
 
 def _call_site_path(node: fx.Node) -> str | None:
     stack = node.meta.get("nn_module_stack") or {}
@@ -91,6 +96,7 @@ def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of) -> int:
                     continue
                 copy = graph.node_copy(n, lambda a: env[a])
                 copy.meta = dict(n.meta)
+                copy.meta[BODY_NODE] = (body_node.target, n.name)
                 for key in ("nn_module_stack", "fwd_nn_module_stack"):
                     if key in n.meta:
                         copy.meta[key] = _renamed_stack(n.meta[key], old, new, outer)

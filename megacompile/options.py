@@ -19,6 +19,7 @@ PRECISIONS = ("fp32", "bf16")
 LOWERINGS = ("inductor", "eager")
 RECOMPUTE_POLICIES = ("auto", "always", "never")
 SOLVER_NAMES = ("exact", "greedy")
+PLAN_REPEATS = ("auto", "template", "flat")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -78,6 +79,11 @@ class Options:
     # Hardware profile for the cost model: a built-in name or a calibrate JSON path; None
     # picks one for the device.
     hardware: str | None = None
+    # How marked repeated layers are planned when saved activations do not fit: "template"
+    # prices the candidates on short copies of the step and builds one over the full graph
+    # (megacompile/template_planner.py); "flat" builds every candidate over the full graph;
+    # "auto": template from 8 chained repeated layers.
+    plan_repeats: str = "auto"
     # Pass names to switch off, for bisecting (see megacompile.passes.PASS_ORDER).
     disable_passes: tuple[str, ...] = ()
     # Update each layer's parameters on a host thread as its gradients land, while the
@@ -155,6 +161,8 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         kw["recompute"] = _choice("recompute", raw["recompute"], RECOMPUTE_POLICIES)
     if "solver" in raw:
         kw["solver"] = _choice("solver", raw["solver"], SOLVER_NAMES)
+    if "plan_repeats" in raw:
+        kw["plan_repeats"] = _choice("plan_repeats", raw["plan_repeats"], PLAN_REPEATS)
     if raw.get("hardware") is not None:
         from .hardware import get_profile
 

@@ -64,6 +64,8 @@ class TrainingPlan:
     forward: MemoryEstimate | None = None
     backward: MemoryEstimate | None = None
     reason: str = ""
+    # Planned on short copies of the step (template_planner): its numbers, else None.
+    template: dict | None = None
 
     @property
     def peak_bytes(self) -> int:

@@ -310,6 +310,67 @@ def _partial_residency(keep: Attempt, hot: list[str], budget: int | None, make, 
     return best
 
 
+class PlanMaker:
+    """Builds plans with one ``build`` (a joint graph's) and prices them: what every planner
+    (this module's, ``template_planner``) needs around the pipeline."""
+
+    def __init__(self, build: Callable, options, profile, predict_seconds: Callable[[Attempt], float]) -> None:
+        self.build, self.options, self.profile, self.predict_seconds = build, options, profile, predict_seconds
+        self.budget = options.memory_budget
+
+    def make(self, default: str, per_layer: dict[str, str] | None = None, name: str = "",
+             resident: list[str] | None = None, per_value: dict[str, str] | None = None,
+             value_reason: dict[str, str] | None = None, resident_reason: dict[str, str] | None = None,
+             prefetch: dict[str, int] | None = None, prefetch_reason: dict[str, str] | None = None,
+             snapshots: bool = False) -> Attempt:
+        plan = TrainingPlan(policy=name or default, budget=self.budget, default_policy=default,
+                            layer_policy=dict(per_layer or {}), resident=list(resident or []),
+                            value_policy=dict(per_value or {}), value_reason=dict(value_reason or {}),
+                            resident_reason=dict(resident_reason or {}),
+                            prefetch=dict(prefetch or {}), prefetch_reason=dict(prefetch_reason or {}))
+        # Only a plan likely to be chosen as built is built with inspect's snapshots; the
+        # caller builds the chosen plan again with them if it has none.
+        return self.build(plan, snapshots=True) if snapshots else self.build(plan)
+
+    def fits(self, a: Attempt) -> bool:
+        return self.budget is None or a.peak <= self.budget
+
+    def deeper_prefetch(self, a: Attempt) -> Attempt | None:
+        """``a`` with every streamed value whose load stalls the compute lane (by the cost
+        model's lane simulation) prefetched one layer further ahead, or None if none stalls."""
+        stalls = _load_stalls(a, self.profile, self.options.precision)
+        if not stalls:
+            return None
+        p = a.plan
+        prefetch, reasons = dict(p.prefetch), dict(p.prefetch_reason)
+        for source, stall in stalls.items():
+            depth = p.prefetch.get(source, self.options.prefetch_depth)
+            if depth >= _MAX_PREFETCH:
+                continue
+            prefetch[source] = depth + 1
+            reasons[source] = (f"prefetched {depth + 1} layers ahead: at depth {depth} the compute lane would wait "
+                               f"{_us(stall)} for this load (cost model)")
+        if prefetch == p.prefetch:
+            return None
+        deeper = self.make(p.default_policy, p.layer_policy, f"{p.policy}, deeper prefetch for {len(stalls)} value(s)",
+                           p.resident, p.value_policy, p.value_reason, p.resident_reason, prefetch, reasons)
+        deeper.plan.layer_costs = dict(p.layer_costs)
+        return deeper
+
+    def with_tuned_prefetch(self, a: Attempt) -> Attempt:
+        """The faster of ``a`` and ``a`` with deeper prefetch, if that fits the budget."""
+        deeper = self.deeper_prefetch(a)
+        if deeper is None or not self.fits(deeper):
+            return a
+        if a.plan.predicted_seconds is None:
+            a.plan.predicted_seconds = self.predict_seconds(a)
+        deeper.plan.predicted_seconds = self.predict_seconds(deeper)
+        if deeper.plan.predicted_seconds >= a.plan.predicted_seconds:
+            return a
+        deeper.plan.reason = a.plan.reason
+        return deeper
+
+
 def plan_training(
     build: Callable[[TrainingPlan], Attempt],
     layers: list[str],
@@ -321,58 +382,9 @@ def plan_training(
 ) -> Attempt:
     budget = options.memory_budget
     allow_recompute = options.recompute != "never"
-
-    def make(default: str, per_layer: dict[str, str] | None = None, name: str = "",
-             resident: list[str] | None = None, per_value: dict[str, str] | None = None,
-             value_reason: dict[str, str] | None = None, resident_reason: dict[str, str] | None = None,
-             prefetch: dict[str, int] | None = None, prefetch_reason: dict[str, str] | None = None,
-             snapshots: bool = False) -> Attempt:
-        plan = TrainingPlan(policy=name or default, budget=budget, default_policy=default,
-                            layer_policy=dict(per_layer or {}), resident=list(resident or []),
-                            value_policy=dict(per_value or {}), value_reason=dict(value_reason or {}),
-                            resident_reason=dict(resident_reason or {}),
-                            prefetch=dict(prefetch or {}), prefetch_reason=dict(prefetch_reason or {}))
-        # Only a plan likely to be chosen as built is built with inspect's snapshots; the
-        # caller builds the chosen plan again with them if it has none.
-        return build(plan, snapshots=True) if snapshots else build(plan)
-
-    def deeper_prefetch(a: Attempt) -> Attempt | None:
-        """``a`` with every streamed value whose load stalls the compute lane (by the cost
-        model's lane simulation) prefetched one layer further ahead, or None if none stalls."""
-        stalls = _load_stalls(a, profile, options.precision)
-        if not stalls:
-            return None
-        p = a.plan
-        prefetch, reasons = dict(p.prefetch), dict(p.prefetch_reason)
-        for source, stall in stalls.items():
-            depth = p.prefetch.get(source, options.prefetch_depth)
-            if depth >= _MAX_PREFETCH:
-                continue
-            prefetch[source] = depth + 1
-            reasons[source] = (f"prefetched {depth + 1} layers ahead: at depth {depth} the compute lane would wait "
-                               f"{_us(stall)} for this load (cost model)")
-        if prefetch == p.prefetch:
-            return None
-        deeper = make(p.default_policy, p.layer_policy, f"{p.policy}, deeper prefetch for {len(stalls)} value(s)",
-                      p.resident, p.value_policy, p.value_reason, p.resident_reason, prefetch, reasons)
-        deeper.plan.layer_costs = dict(p.layer_costs)
-        return deeper
-
-    def with_tuned_prefetch(a: Attempt) -> Attempt:
-        """The faster of ``a`` and ``a`` with deeper prefetch, if that fits the budget."""
-        deeper = deeper_prefetch(a)
-        if deeper is None or not fits(deeper):
-            return a
-        if a.plan.predicted_seconds is None:
-            a.plan.predicted_seconds = predict_seconds(a)
-        deeper.plan.predicted_seconds = predict_seconds(deeper)
-        if deeper.plan.predicted_seconds >= a.plan.predicted_seconds:
-            return a
-        deeper.plan.reason = a.plan.reason
-        return deeper
-
-    def fits(a: Attempt) -> bool:
-        return budget is None or a.peak <= budget
+    maker = PlanMaker(build, options, profile, predict_seconds)
+    make, fits, deeper_prefetch, with_tuned_prefetch = (maker.make, maker.fits, maker.deeper_prefetch,
+                                                        maker.with_tuned_prefetch)
 
     if options.recompute == "always":
         a = make("recompute")

@@ -9,9 +9,12 @@ come from libraries (transformers), so this module finds them:
 
 * a repeat is a run of two or more children of one ``nn.ModuleList`` / ``nn.Sequential`` with
   the same class and the same parameter and buffer names, shapes and dtypes;
-* each child's ``forward`` becomes an instance attribute bound to one region-wrapped function
-  per class: the class itself (and every other model using it) is left as it was, and
-  ``unmark_repeated_layers`` removes the attributes again.
+* each child's class becomes a subclass made once per class, whose ``forward`` is the class's
+  forward wrapped as a region: the class itself (and every other model using it) is left as it
+  was, ``isinstance`` still holds, and ``unmark_repeated_layers`` puts the class back.
+  (A region-wrapped function set as an instance attribute instead looks the same but is not:
+  torch 2.13's Dynamo then calls the first layer's traced body with that layer's parameters
+  for every layer, and the loss is wrong; tests/test_template_planner.py trips on it.)
 
 What a region requires is the user's to keep: the layer's forward must not mutate module
 state or depend on Python-side state that changes from call to call (Hugging Face decoder
@@ -19,15 +22,24 @@ layers qualify; a layer that caches on ``self`` does not).
 """
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn as nn
 
 from . import _torch_compat as compat
 
-# The attribute that says megacompile put this forward there (and may take it away).
-_MARK = "_megacompile_repeat_region"
+# The attribute of a marking subclass that names the class it was made from.
+_MARK = "_megacompile_repeat_region_of"
+# One marking subclass per layer class, made once (a region is one traced body per function).
+_MARKED_CLASSES: dict[type, type] = {}
+
+
+def _marked_class(cls: type) -> type:
+    if cls not in _MARKED_CLASSES:
+        _MARKED_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "forward": torch.compiler.nested_compile_region(cls.forward), _MARK: cls,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+        })
+    return _MARKED_CLASSES[cls]
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -63,7 +75,6 @@ def mark_repeated_layers(model: nn.Module) -> list[str]:
 
     Layers whose class's forward is marked already, or whose instance has its own forward,
     are left alone."""
-    regions: dict[type, object] = {}
     marked: list[str] = []
     for run in find_repeats(model):
         for path in run:
@@ -71,10 +82,7 @@ def mark_repeated_layers(model: nn.Module) -> list[str]:
             cls = type(layer)
             if "forward" in vars(layer) or compat.is_compile_region(cls.forward):
                 continue
-            if cls not in regions:
-                regions[cls] = torch.compiler.nested_compile_region(cls.forward)
-            layer.forward = types.MethodType(regions[cls], layer)
-            setattr(layer, _MARK, True)
+            layer.__class__ = _marked_class(cls)
             marked.append(path)
     return marked
 
@@ -83,7 +91,8 @@ def unmark_repeated_layers(model: nn.Module) -> list[str]:
     """Undo ``mark_repeated_layers``: the layers' class forward applies again."""
     unmarked = []
     for path, module in model.named_modules():
-        if vars(module).pop(_MARK, False):
-            vars(module).pop("forward", None)
+        original = vars(type(module)).get(_MARK)
+        if original is not None:
+            module.__class__ = original
             unmarked.append(path)
     return unmarked

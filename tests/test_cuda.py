@@ -150,3 +150,35 @@ def test_cuda_optimizer_overlaps_the_backward(lowering):
     n_params = len(list(model.parameters()))
     assert modes[-1]["updated_params"] == n_params
     assert modes[-1]["consumed_grad_bytes"] > 0
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_cuda_template_plan_of_marked_llama_layers(lowering):
+    """Eight marked HF Llama layers under a budget keeping every activation exceeds: planned
+    on short copies of the step (template_planner), the plan trains like eager on the GPU and
+    its measured peak is within the budget and within 5% of the planned one."""
+    from reference_models import labels_training_step, tiny_llama
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = tiny_llama(8)
+    reference = copy.deepcopy(model).cuda()
+    assert len(megacompile.mark_repeated_layers(model)) == 8
+    budget = training_state_bytes(model) // 4
+    step = torch.compile(labels_training_step(model), backend="megatrain",
+                         options={"device": "cuda", "lowering": lowering, "memory_budget": budget,
+                                  "plan_repeats": "template"})
+    eager_step = labels_training_step(reference)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 96, (4, 32), generator=gen)
+        torch.testing.assert_close(step(x), eager_step(x.cuda()).cpu(), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q.cpu(), rtol=0, atol=2e-5)
+    from megacompile import capture
+
+    plan = next(r for r in reversed(capture.COMPILED) if r.plan is not None and r.plan.policy != "inference").plan
+    assert plan.template is not None, plan.reason
+    report = megacompile.last_report()
+    assert report.measured_peak_device_bytes <= budget
+    assert abs(report.measured_peak_device_bytes - plan.peak_bytes) <= 0.05 * report.measured_peak_device_bytes

@@ -252,9 +252,9 @@ def test_a_marked_body_schema_is_derived_once_not_per_call(monkeypatch):
 
 def test_repeated_layers_the_user_did_not_mark_are_found_and_traced_once(monkeypatch):
     """megacompile.mark_repeated_layers finds a stock transformers Llama's decoder layers (one
-    run of three in model.layers, nothing else) and marks each instance, not the class:
-    AOTAutograd partitions the layer once, training equals eager, another instance of the
-    class is untouched, and unmarking restores the class's forward."""
+    run of three in model.layers, nothing else) and marks each instance (a subclass swapped
+    in), not the class: AOTAutograd partitions the layer once, training equals eager, another
+    instance of the class is untouched, and unmarking puts the class back."""
     from reference_models import tiny_llama
 
     body_partitions = _count_body_partitions(monkeypatch)
@@ -265,14 +265,15 @@ def test_repeated_layers_the_user_did_not_mark_are_found_and_traced_once(monkeyp
     assert megacompile.repeats.find_repeats(model) == [[f"model.layers.{i}" for i in range(3)]]
     assert megacompile.mark_repeated_layers(model) == [f"model.layers.{i}" for i in range(3)]
     assert megacompile.mark_repeated_layers(model) == []  # marked already
-    layer_class = type(model.model.layers[0])
+    layer_class = type(bystander.model.layers[0])
     assert not compat.is_compile_region(layer_class.forward)
-    assert all("forward" not in vars(layer) for layer in bystander.model.layers)
+    assert all(type(layer) is not layer_class and isinstance(layer, layer_class) for layer in model.model.layers)
+    assert all(type(layer) is layer_class for layer in bystander.model.layers)
 
     report = _llama_trains_like_eager(model, reference)
     assert _once_per_body(body_partitions)
     assert megacompile.unmark_repeated_layers(model) == [f"model.layers.{i}" for i in range(3)]
-    assert all("forward" not in vars(layer) for layer in model.model.layers)
+    assert all(type(layer) is layer_class for layer in model.model.layers)
 
 
 def test_find_repeats_needs_the_same_class_and_shapes():

@@ -1,0 +1,202 @@
+"""Planning repeated layers once: the candidate ladder priced on short copies of the step.
+
+The flat planner (``planner.plan_training``) builds each of its ~25 candidate plans over the
+whole joint graph, so under a tight budget planning grows with depth (each build partitions
+and passes all N layers). When the layers are marked repeats that chain
+(``truncate_repeats``), the candidates here are plans that make the same decision for a value
+in every repeated layer, and each is built on two short copies of the step (3 and 4 layers:
+the first layers and the last one, with the glue). What one more layer adds (peak bytes,
+predicted seconds, recomputed ops) is the difference between the two, so a candidate's
+numbers at N layers are extrapolated linearly. The ladder (predicted time falls and recompute
+never rises as the peak grows) is drawn over those numbers; the highest rung whose
+extrapolated peak fits the budget is built over the full graph, once, and checked against the
+budget with the same estimate the flat planner uses. If it does not fit, the next rung down is
+built, and so on; after ``MAX_FULL_BUILDS`` misses the flat planner takes over. So the budget is
+never trusted to an extrapolation: the plan that runs is one whose full-depth build fits.
+
+Where keeping every activation fits (by the extrapolation), the flat planner is used: it
+builds only the one or few plans of its first rungs, not its ladder.
+
+Decisions for repeated layers are keyed by ``inline_regions.BODY_NODE`` (the body node a
+value was copied from), the same in every layer and in every copy of the step; the glue's
+by node name, which copies keep.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from .inline_regions import BODY_NODE
+from .options import format_bytes
+from .planner import Attempt, PlanMaker, saved_groups
+from .solvers import SOLVERS, Option
+
+# The two short copies of the step: k layers each (the chain's first k-1 and its last).
+DEPTHS = (3, 4)
+# Chains at least this long are planned on the template (option plan_repeats).
+MIN_LAYERS = {"auto": 8, "template": DEPTHS[-1] + 1}
+# Full-depth builds of rungs whose extrapolated peak fits before the flat planner takes over.
+MAX_FULL_BUILDS = 3
+
+
+@dataclasses.dataclass
+class Template:
+    """One short copy of the step, ready to build plans on."""
+
+    k: int
+    maker: PlanMaker
+    joint: fx.GraphModule
+    resident_candidates: list[str]
+
+
+@dataclasses.dataclass
+class Spec:
+    """A plan stated without naming layers: per body node for the repeated layers, per node
+    name for the glue, so it can be built on a template and on the full graph alike."""
+
+    name: str
+    default: str = "keep"
+    resident: bool = False
+    by_origin: dict = dataclasses.field(default_factory=dict)  # BODY_NODE -> (policy, reason)
+    by_name: dict = dataclasses.field(default_factory=dict)  # glue node name -> (policy, reason)
+
+    def build(self, maker: PlanMaker, joint: fx.GraphModule, resident_candidates: list[str],
+              snapshots: bool = False) -> Attempt:
+        per_value, reasons = {}, {}
+        for node in joint.graph.nodes:
+            origin = node.meta.get(BODY_NODE)
+            chosen = self.by_origin.get(origin) if origin is not None else self.by_name.get(node.name)
+            if chosen is not None:
+                per_value[node.name], reasons[node.name] = chosen
+        return maker.make(self.default, name=self.name, resident=resident_candidates if self.resident else None,
+                          per_value=per_value, value_reason=reasons, snapshots=snapshots)
+
+
+@dataclasses.dataclass
+class Priced:
+    """A spec built on both templates and extrapolated to the full depth."""
+
+    spec: Spec
+    attempts: tuple  # one Attempt per template
+    peak: float
+    seconds: float
+    recomputed: float
+
+
+def _extrapolate(values: list[float], depths: tuple, n: int) -> float:
+    (k1, k2), (v1, v2) = depths, values
+    return v2 + (n - k2) * max(0.0, (v2 - v1) / (k2 - k1))
+
+
+def _price(spec: Spec, templates: list[Template], n: int) -> Priced:
+    attempts = tuple(spec.build(t.maker, t.joint, t.resident_candidates) for t in templates)
+    for t, a in zip(templates, attempts):
+        a.plan.predicted_seconds = t.maker.predict_seconds(a)
+    depths = tuple(t.k for t in templates)
+    return Priced(
+        spec, attempts,
+        peak=_extrapolate([a.peak for a in attempts], depths, n),
+        seconds=_extrapolate([a.plan.predicted_seconds for a in attempts], depths, n),
+        recomputed=_extrapolate([len(a.plan.recomputed_ops) for a in attempts], depths, n),
+    )
+
+
+def _ladder(priced: list[Priced]) -> list[Priced]:
+    """As ``planner._ladder``, over the extrapolated numbers."""
+    ladder: list[Priced] = []
+    for c in sorted(priced, key=lambda c: (c.peak, c.seconds)):
+        if not ladder or (c.seconds <= ladder[-1].seconds and c.recomputed <= ladder[-1].recomputed):
+            ladder.append(c)
+    return ladder
+
+
+def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Template, profile, options,
+                   n: int) -> list[Spec]:
+    """Per-activation plans with one decision per body node: the solver's picks over one
+    repeated layer's saved values (counted n times) and the glue's, for memory targets from
+    keep's extrapolated peak down to the smallest uniform plan's."""
+    attempt = keep.attempts[-1]
+    groups = saved_groups(attempt, template.joint, profile, options.recompute != "never",
+                          options.prefetch_depth, template_floor)
+    fw = {node.name: node for node in attempt.forward.graph.nodes}
+    repeated = [g for g in groups if fw[g.root].meta.get(BODY_NODE) is not None]
+    layers = [g.layer for g in repeated]
+    # The template's second layer stands for every repeated layer: its neighbours on both
+    # sides are repeated layers too, as for all but the first and last of the full depth.
+    middle = sorted(set(layers), key=layers.index)[1:2]
+    representative = [g for g in repeated if g.layer in middle]
+    glue = [g for g in groups if fw[g.root].meta.get(BODY_NODE) is None]
+    items = [[Option(o.name, o.memory_saved * n, o.time_cost * n) for o in g.options] for g in representative]
+    items += [list(g.options) for g in glue]
+    chosen_for = representative + glue
+    if not items:
+        return []
+    most = sum(max(o.memory_saved for o in opts) for opts in items)
+    span = max(0.0, keep.peak - floor)
+    solver = SOLVERS[options.solver]
+    specs, seen = [], set()
+    for required in [int(span * f) + 1 for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)] + [most]:
+        picks = solver(items, min(required, most))
+        if picks is None or tuple(picks) in seen or not any(picks):
+            continue
+        seen.add(tuple(picks))
+        by_origin, by_name = {}, {}
+        for g, j in zip(chosen_for, picks):
+            target = by_origin if g in representative else by_name
+            for member in g.members:
+                key = fw[member].meta.get(BODY_NODE) if g in representative else member
+                target[key] = (g.options[j].name, g.reason(j) + (" (the same in every repeated layer)"
+                                                                    if g in representative else ""))
+        counts = {p: sum(1 for g, j in zip(chosen_for, picks) if g.options[j].name == p)
+                  for p in ("keep", "offload", "recompute")}
+        specs.append(Spec("per-activation, every repeated layer alike ("
+                          + ", ".join(f"{c} {p}" for p, c in counts.items() if c) + ")",
+                          by_origin=by_origin, by_name=by_name))
+    return specs
+
+
+def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, full_resident: list[str],
+                        templates: list[Template], n: int, options, profile) -> Attempt | None:
+    """The plan for the full graph, or None where the flat planner should plan it (keeping
+    every activation fits; recompute='always'; no rung's full-depth build fits)."""
+    budget = options.memory_budget
+    if budget is None or options.recompute == "always":
+        return None
+    keep = _price(Spec("keep"), templates, n)
+    if keep.peak <= budget:
+        return None  # the flat planner's first rungs: a few builds, no ladder
+    priced = [keep, _price(Spec("offload (all layers)", default="offload"), templates, n)]
+    if options.recompute != "never":
+        priced.append(_price(Spec("recompute (all layers)", default="recompute"), templates, n))
+    floor = min(p.peak for p in priced)
+    template_floor = min(p.attempts[-1].peak for p in priced)
+    mixes = _uniform_mixes(keep, floor, template_floor, templates[-1], profile, options, n)
+    priced += [_price(spec, templates, n) for spec in mixes]
+    ladder = _ladder(priced)
+    fitting = [p for p in ladder if p.peak <= budget]
+    builds = 0
+    for rung in reversed(fitting):
+        if builds == MAX_FULL_BUILDS:
+            break
+        attempt = rung.spec.build(full, full_joint, full_resident)
+        builds += 1
+        if not full.fits(attempt):
+            continue
+        attempt.plan.predicted_seconds = full.predict_seconds(attempt)
+        chosen = full.with_tuned_prefetch(attempt)
+        builds += chosen is not attempt
+        chosen.plan.reason = (
+            f"keeping every activation needs about {format_bytes(keep.peak)} (extrapolated) > budget "
+            f"{format_bytes(budget)}; {n} repeated layers planned on {len(templates)} short copies of the step "
+            f"({' and '.join(str(t.k) for t in templates)} layers): {len(priced)} candidates, each deciding alike for "
+            f"every repeated layer, priced there and extrapolated; the fastest whose extrapolated peak fits was "
+            f"built over the full graph ({builds} full build(s)) and fits at {format_bytes(chosen.peak)} (predicted "
+            f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver)")
+        chosen.plan.template = {
+            "repeated_layers": n, "template_layers": [t.k for t in templates], "candidates": len(priced),
+            "full_builds": builds, "extrapolated_peak": int(rung.peak), "extrapolated_seconds": rung.seconds,
+        }
+        return chosen
+    return None
+

@@ -1,0 +1,200 @@
+"""Repeated layers planned on short copies of the step (megacompile/template_planner.py,
+megacompile/truncate_repeats.py): the plan fits, trains like eager, is as fast as the flat
+planner's, and the full graph is built a few times instead of once per candidate."""
+from __future__ import annotations
+
+import copy
+import functools
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import megacompile
+from megacompile import _torch_compat as compat
+from megacompile import capture, inline_regions, template_planner, truncate_repeats
+from megacompile.errors import OptionsError
+from megacompile.options import parse_options
+from reference_models import make_training_step, training_state_bytes
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """``depth`` blocks (marked with mark_repeated_layers); ``between``: an op between blocks,
+    which breaks the chain the short copies are cut from."""
+
+    def __init__(self, depth: int = 8, dim: int = 32, between: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, 4)
+        self.between = between
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+            if self.between:
+                x = x * 0.5
+        return self.head(x)
+
+
+def _compile(model, budget: int, mode: str):
+    step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
+    return torch.compile(step, backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "memory_budget": budget, "plan_repeats": mode})
+
+
+def _batch(gen):
+    return torch.randn(64, 32, generator=gen), torch.randn(64, 4, generator=gen)
+
+
+def _plan_of_last_compile():
+    return next(r for r in reversed(capture.COMPILED) if r.plan is not None and r.plan.policy != "inference").plan
+
+
+@functools.lru_cache(maxsize=None)
+def _planned(depth: int, budget_fraction: float, mode: str):
+    """The plan megatrain makes for a fresh Net under ``budget_fraction`` of its training state
+    (one step run), and the budget. Cached: tests share compiles."""
+    torch.manual_seed(0)
+    model = Net(depth)
+    megacompile.mark_repeated_layers(model)
+    budget = int(training_state_bytes(model) * budget_fraction)
+    compat.reset_dynamo()
+    _compile(model, budget, mode)(*_batch(torch.Generator().manual_seed(1)))
+    return _plan_of_last_compile(), budget
+
+
+def test_template_plan_fits_trains_like_eager_and_builds_the_full_graph_a_few_times(monkeypatch):
+    builds = []
+    original = capture.TrainingCompiler._builder
+
+    def counting(self, joint, num_fwd_outputs):
+        build = original(self, joint, num_fwd_outputs)
+        n_calls = sum(1 for n in joint.graph.nodes if n.op == "call_function" and "layers" not in n.name)
+
+        def counted(plan, snapshots=False):
+            builds.append(len(joint.graph.nodes))
+            return build(plan, snapshots=snapshots)
+        return counted if n_calls else build
+
+    monkeypatch.setattr(capture.TrainingCompiler, "_builder", counting)
+    torch.manual_seed(0)
+    model = Net(8)
+    reference = copy.deepcopy(model)
+    assert len(megacompile.mark_repeated_layers(model)) == 8
+    budget = int(training_state_bytes(model) * 0.3)
+    compat.reset_dynamo()
+    compiled = _compile(model, budget, "template")
+    eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        batch = _batch(gen)
+        torch.testing.assert_close(compiled(*batch), eager_step(*batch), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    report = megacompile.last_report()
+    assert report.measured_peak_device_bytes == report.planned_peak_device_bytes <= budget
+    plan = _plan_of_last_compile()
+    assert plan.template is not None, plan.reason
+    assert plan.value_policy and "offload" in plan.value_policy.values() or plan.recomputed_ops
+    # Every candidate was built on the short copies; the full graph (the largest) only for the
+    # chosen rung, its deeper-prefetch variant and inspect's snapshots.
+    full = max(builds)
+    assert builds.count(full) <= template_planner.MAX_FULL_BUILDS + 2
+    assert len(builds) - builds.count(full) >= 2 * plan.template["candidates"]
+    # The extrapolated peak of the chosen plan is the one its full build has.
+    assert abs(plan.template["extrapolated_peak"] - plan.peak_bytes) <= 0.05 * plan.peak_bytes
+
+
+def test_template_plan_is_as_fast_as_the_flat_planners():
+    template, budget = _planned(8, 0.3, "template")
+    flat, _ = _planned(8, 0.3, "flat")
+    assert template.template is not None and flat.template is None
+    assert template.peak_bytes <= budget and flat.peak_bytes <= budget
+    # Deciding alike for every layer loses little: within 5% of the flat ladder's choice.
+    assert template.predicted_seconds <= flat.predicted_seconds * 1.05
+
+
+def test_template_plans_grow_no_slower_with_the_budget():
+    plans = [_planned(8, fraction, "template")[0] for fraction in (0.25, 0.3, 0.45)]
+    assert all(p.template is not None for p in plans)
+    for smaller, larger in zip(plans, plans[1:]):
+        assert larger.predicted_seconds <= smaller.predicted_seconds
+        assert len(larger.recomputed_ops) <= len(smaller.recomputed_ops)
+
+
+def _joint_of(model, budget, monkeypatch) -> "torch.fx.GraphModule":
+    """The step's joint graph before its marked calls are inlined (a copy)."""
+    seen = []
+    original = inline_regions.inline_partitioned_regions
+
+    def spy(joint):
+        if not seen:
+            seen.append(truncate_repeats._copy(joint)[0])
+        return original(joint)
+
+    monkeypatch.setattr(inline_regions, "inline_partitioned_regions", spy)
+    compat.reset_dynamo()
+    _compile(model, budget, "flat")(*_batch(torch.Generator().manual_seed(1)))
+    return seen[0]
+
+
+def _calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and compat.is_invoke_subgraph(n.target)]
+
+
+def test_a_short_copy_keeps_the_first_layers_and_the_last(monkeypatch):
+    torch.manual_seed(0)
+    model = Net(8)
+    megacompile.mark_repeated_layers(model)
+    joint = _joint_of(model, training_state_bytes(model), monkeypatch)
+    chain = truncate_repeats.find_repeat_chain(joint)
+    n = len(chain)
+    assert n >= 7  # a call per block (torch may inline the first block's)
+    before = [n_.name for n_ in joint.graph.nodes]
+    short = truncate_repeats.truncated_joint(joint, chain, 3)
+    assert [n_.name for n_ in joint.graph.nodes] == before  # the full graph is untouched
+    calls = _calls(short)
+    assert len(calls) == 2 * 3
+    kept = {c.name for c in calls}
+    assert {chain.forward[0].name, chain.forward[1].name, chain.forward[-1].name} <= kept
+    assert {chain.backward[0].name, chain.backward[1].name, chain.backward[-1].name} <= kept
+    # The last layer reads layer 1's output; layer 1's backward reads the last one's gradient.
+    fw_last = next(c for c in calls if c.name == chain.forward[-1].name)
+    assert any(a.target is operator.getitem and a.args[0].name == chain.forward[1].name
+               for a in fw_last.args[2:] if isinstance(a, torch.fx.Node))
+    bw_1 = next(c for c in calls if c.name == chain.backward[1].name)
+    assert any(a.target is operator.getitem and a.args[0].name == chain.backward[-1].name
+               for a in bw_1.args[2:] if isinstance(a, torch.fx.Node))
+    # The left-out layers' parameter gradients are gone from the outputs (6 per block).
+    out_full = next(iter(joint.graph.find_nodes(op="output"))).args[0]
+    out_short = next(iter(short.graph.find_nodes(op="output"))).args[0]
+    assert len(out_full) == len(out_short)
+    assert sum(a is None for a in out_short) - sum(a is None for a in out_full) == 6 * (n - 3)
+
+
+def test_an_op_between_layers_breaks_the_chain(monkeypatch):
+    """Then there is no template: ``capture`` plans the flat graph (``_templates`` returns none)."""
+    torch.manual_seed(0)
+    model = Net(4, between=True)
+    megacompile.mark_repeated_layers(model)
+    joint = _joint_of(model, training_state_bytes(model), monkeypatch)
+    assert len(_calls(joint)) >= 6 and truncate_repeats.find_repeat_chain(joint) is None
+
+
+def test_plan_repeats_option_is_checked():
+    assert parse_options({"device": "cpu", "plan_repeats": "flat"}).plan_repeats == "flat"
+    with pytest.raises(OptionsError, match="plan_repeats='layered'.*'auto', 'template', 'flat'"):
+        parse_options({"device": "cpu", "plan_repeats": "layered"})
