@@ -179,7 +179,9 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, full_reside
     for rung in reversed(fitting):
         if builds == MAX_FULL_BUILDS:
             break
-        attempt = rung.spec.build(full, full_joint, full_resident)
+        # Built with inspect's snapshots: it is most likely the plan that runs, and capture
+        # would otherwise build it a second time to take them.
+        attempt = rung.spec.build(full, full_joint, full_resident, snapshots=True)
         builds += 1
         if not full.fits(attempt):
             continue
