@@ -51,11 +51,13 @@ def small_llama(layers: int) -> dict:
     return cfg
 
 
-def _two_calls(model, seq_len: int, budget: int | None = None, backend: str = "megatrain") -> tuple[float, float]:
-    """(first call s, second call s) of the compiled training step of ``model`` on meta."""
+def _two_calls(model, seq_len: int, budget: int | None = None, backend: str = "megatrain",
+               **options) -> tuple[float, float]:
+    """(first call s, second call s) of the compiled training step of ``model`` on meta;
+    ``options``: more megatrain options."""
     kwargs = {"backend": backend}
     if backend == "megatrain":
-        kwargs["options"] = {"device": "cpu", "lowering": "eager", "hardware": "h200"}
+        kwargs["options"] = {"device": "cpu", "lowering": "eager", "hardware": "h200", **options}
         if budget is not None:
             kwargs["options"]["memory_budget"] = budget
     compiled = torch.compile(plan_cmd.make_step(model), **kwargs)
@@ -114,18 +116,10 @@ def marked_tight(cfg: dict, seq_len: int, mode: str, budget: int | None) -> tupl
     capture.COMPILED.clear()
     model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
     assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
-    compiled = torch.compile(plan_cmd.make_step(model), backend="megatrain", options={
-        "device": "cpu", "lowering": "eager", "hardware": "h200", "memory_budget": budget, "plan_repeats": mode})
-    x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-    with plan_cmd._meta_placement():
-        t0 = time.perf_counter()
-        compiled(x, x)
-        t1 = time.perf_counter()
-        compiled(x, x)
-        t2 = time.perf_counter()
+    first, second = _two_calls(model, seq_len, budget, plan_repeats=mode)
     record = next(r for r in capture.COMPILED if r.plan is not None and r.plan.policy != "inference")
     plan_cmd._reset_dynamo()
-    return (t1 - t0) - (t2 - t1), record.plan
+    return first - second, record.plan
 
 
 def template_table(depths: list[int], seq_len: int) -> list[str]:

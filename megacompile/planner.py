@@ -455,15 +455,7 @@ def plan_training(
         candidates.append(a)
     # Fine: one decision per saved activation (per storage group), priced one by one.
     if groups:
-        value_items = [g.options for g in groups]
-        most = sum(max(o.memory_saved for o in opts) for opts in value_items)
-        targets = [int((keep.peak - floor) * f) + 1 for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)]
-        seen_values: set[tuple[int, ...]] = set()
-        for required in targets + [most]:
-            picks = solver(value_items, min(required, most))
-            if picks is None or tuple(picks) in seen_values or not any(picks):
-                continue
-            seen_values.add(tuple(picks))
+        for picks in solver_mixes(solver, [g.options for g in groups], keep.peak - floor):
             per_value, reasons = {}, {}
             for g, j in zip(groups, picks):
                 for member in g.members:
@@ -505,6 +497,20 @@ def plan_training(
     return chosen
 
 
+def solver_mixes(solver: Callable, items: list[list[Option]], span: float) -> list[list[int]]:
+    """The solver's distinct picks (each upgrading something) for memory targets of 10%, 20%,
+    ..., 100% of ``span`` bytes, and for everything the items can save."""
+    most = sum(max(o.memory_saved for o in opts) for opts in items)
+    out, seen = [], set()
+    for required in [int(span * f) + 1 for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)] + [most]:
+        picks = solver(items, min(required, most))
+        if picks is None or tuple(picks) in seen or not any(picks):
+            continue
+        seen.add(tuple(picks))
+        out.append(picks)
+    return out
+
+
 def _rungs_to_prefetch_deeper(ladder: list[Attempt], fits: Callable[[Attempt], bool]) -> list[Attempt]:
     """The rungs whose deeper-prefetch variants are worth building: those within the budget."""
     return [rung for rung in ladder if fits(rung)]
@@ -513,12 +519,17 @@ def _rungs_to_prefetch_deeper(ladder: list[Attempt], fits: Callable[[Attempt], b
 def _ladder(candidates: list[Attempt]) -> list[Attempt]:
     """The candidates along which, as the peak grows, predicted time falls and the recompute
     count never rises (each candidate priced: ``plan.predicted_seconds``)."""
-    ladder: list[Attempt] = []
-    for c in sorted(candidates, key=lambda c: (c.peak, c.plan.predicted_seconds)):
+    return ladder_of(candidates, lambda c: (c.peak, c.plan.predicted_seconds, len(c.plan.recomputed_ops)))
+
+
+def ladder_of(candidates: list, numbers: Callable) -> list:
+    """The ladder over any priced candidates; ``numbers(c)`` = (peak, seconds, recompute count)."""
+    ladder: list = []
+    for c in sorted(candidates, key=lambda c: numbers(c)[:2]):
         # Ties in time go to the later (less aggressive) rung: no offload or recompute that
         # buys nothing.
-        if not ladder or (c.plan.predicted_seconds <= ladder[-1].plan.predicted_seconds
-                          and len(c.plan.recomputed_ops) <= len(ladder[-1].plan.recomputed_ops)):
+        _, seconds, recomputed = numbers(c)
+        if not ladder or (seconds <= numbers(ladder[-1])[1] and recomputed <= numbers(ladder[-1])[2]):
             ladder.append(c)
     return ladder
 

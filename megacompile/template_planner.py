@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from .inline_regions import BODY_NODE
 from .options import format_bytes
-from .planner import Attempt, PlanMaker, saved_groups
+from .planner import Attempt, PlanMaker, ladder_of, saved_groups, solver_mixes
 from .solvers import SOLVERS, Option
 
 # The two short copies of the step: k layers each (the chain's first k-1 and its last).
@@ -102,15 +102,6 @@ def _price(spec: Spec, templates: list[Template], n: int) -> Priced:
     )
 
 
-def _ladder(priced: list[Priced]) -> list[Priced]:
-    """As ``planner._ladder``, over the extrapolated numbers."""
-    ladder: list[Priced] = []
-    for c in sorted(priced, key=lambda c: (c.peak, c.seconds)):
-        if not ladder or (c.seconds <= ladder[-1].seconds and c.recomputed <= ladder[-1].recomputed):
-            ladder.append(c)
-    return ladder
-
-
 def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Template, profile, options,
                    n: int) -> list[Spec]:
     """Per-activation plans with one decision per body node: the solver's picks over one
@@ -132,15 +123,8 @@ def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Te
     chosen_for = representative + glue
     if not items:
         return []
-    most = sum(max(o.memory_saved for o in opts) for opts in items)
-    span = max(0.0, keep.peak - floor)
-    solver = SOLVERS[options.solver]
-    specs, seen = [], set()
-    for required in [int(span * f) + 1 for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)] + [most]:
-        picks = solver(items, min(required, most))
-        if picks is None or tuple(picks) in seen or not any(picks):
-            continue
-        seen.add(tuple(picks))
+    specs = []
+    for picks in solver_mixes(SOLVERS[options.solver], items, max(0.0, keep.peak - floor)):
         by_origin, by_name = {}, {}
         for g, j in zip(chosen_for, picks):
             target = by_origin if g in representative else by_name
@@ -173,7 +157,7 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, full_reside
     template_floor = min(p.attempts[-1].peak for p in priced)
     mixes = _uniform_mixes(keep, floor, template_floor, templates[-1], profile, options, n)
     priced += [_price(spec, templates, n) for spec in mixes]
-    ladder = _ladder(priced)
+    ladder = ladder_of(priced, lambda c: (c.peak, c.seconds, c.recomputed))
     fitting = [p for p in ladder if p.peak <= budget]
     builds = 0
     for rung in reversed(fitting):
