@@ -180,7 +180,7 @@ class TrainingCompiler:
     def _ctx(self, stage: str, plan: TrainingPlan, num_user_outputs: int = 0) -> PassContext:
         return PassContext(self.options, stage, plan, self.input_names, self.input_roles, num_user_outputs)
 
-    # --- AOTAutograd callbacks ----------------------------------------------------------
+    # --- building plans on a joint graph ------------------------------------------------
     def _builder(self, joint: fx.GraphModule, num_fwd_outputs: int):
         """``build(plan)`` for one joint graph: partition it under the plan, run the passes on
         both halves, estimate their memory."""
@@ -272,15 +272,22 @@ class TrainingCompiler:
 
         # Before inlining: the repeated layers are still one call each, which is what the
         # short copies are cut from.
-        templates, repeated = self._templates(joint, num_fwd_outputs, make_maker)
+        try:
+            templates, repeated = self._templates(joint, num_fwd_outputs, make_maker)
+        except Exception as e:  # noqa: BLE001  (an optimization: the flat planner plans what it cannot)
+            templates, repeated = [], 0
+            _template_failed(e)
         inline_regions.inline_partitioned_regions(joint)
         joint._megatrain_num_fwd_outputs = num_fwd_outputs
         build = self._builder(joint, num_fwd_outputs)
         layers, both_phases = self._prepare(joint)
         chosen = None
         if templates:
-            chosen = plan_with_templates(make_maker(build), joint, both_phases, templates, repeated,
-                                         self.options, profile)
+            try:
+                chosen = plan_with_templates(make_maker(build), joint, both_phases, templates, repeated,
+                                             self.options, profile)
+            except Exception as e:  # noqa: BLE001
+                _template_failed(e)
         if chosen is None:
             chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases, joint=joint)
         if not chosen.snapshots:  # built as a candidate: again, with inspect's snapshots
@@ -373,6 +380,16 @@ class TrainingCompiler:
         # AOTAutograd hands back the module the partitioner returned; if a PyTorch version
         # copies it, the copy has the same nodes and meta.
         return given if ours is None else given
+
+
+def _template_failed(error: Exception) -> None:
+    """Planning on short copies of the step is a shortcut: where it fails, say so and plan
+    the full graph as if it had not been tried."""
+    import warnings
+
+    warnings.warn(f"megatrain: planning the repeated layers on short copies of the step failed "
+                  f"({type(error).__name__}: {error}); planning the full graph instead (plan_repeats='flat' "
+                  f"skips the attempt)", stacklevel=3)
 
 
 def size_check(record: CompiledGraph, budget: int | None):
