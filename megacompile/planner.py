@@ -317,6 +317,7 @@ class PlanMaker:
     def __init__(self, build: Callable, options, profile, predict_seconds: Callable[[Attempt], float]) -> None:
         self.build, self.options, self.profile, self.predict_seconds = build, options, profile, predict_seconds
         self.budget = options.memory_budget
+        self.builds = 0  # plans built so far (what planning costs grows with it)
 
     def make(self, default: str, per_layer: dict[str, str] | None = None, name: str = "",
              resident: list[str] | None = None, per_value: dict[str, str] | None = None,
@@ -330,6 +331,7 @@ class PlanMaker:
                             prefetch=dict(prefetch or {}), prefetch_reason=dict(prefetch_reason or {}))
         # Only a plan likely to be chosen as built is built with inspect's snapshots; the
         # caller builds the chosen plan again with them if it has none.
+        self.builds += 1
         return self.build(plan, snapshots=True) if snapshots else self.build(plan)
 
     def fits(self, a: Attempt) -> bool:

@@ -36,7 +36,8 @@ from .solvers import SOLVERS, Option
 DEPTHS = (3, 4)
 # Chains at least this long are planned on the template (option plan_repeats).
 MIN_LAYERS = {"auto": 8, "template": DEPTHS[-1] + 1}
-# Full-depth builds of rungs whose extrapolated peak fits before the flat planner takes over.
+# Rungs whose extrapolated peak fits that are built over the full graph (highest first)
+# before the flat planner takes over.
 MAX_FULL_BUILDS = 3
 
 
@@ -159,19 +160,15 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, full_reside
     priced += [_price(spec, templates, n) for spec in mixes]
     ladder = ladder_of(priced, lambda c: (c.peak, c.seconds, c.recomputed))
     fitting = [p for p in ladder if p.peak <= budget]
-    builds = 0
-    for rung in reversed(fitting):
-        if builds == MAX_FULL_BUILDS:
-            break
+    for rung in reversed(fitting[-MAX_FULL_BUILDS:]):
         # Built with inspect's snapshots: it is most likely the plan that runs, and capture
         # would otherwise build it a second time to take them.
         attempt = rung.spec.build(full, full_joint, full_resident, snapshots=True)
-        builds += 1
         if not full.fits(attempt):
             continue
         attempt.plan.predicted_seconds = full.predict_seconds(attempt)
         chosen = full.with_tuned_prefetch(attempt)
-        builds += chosen is not attempt
+        builds = full.builds  # the rungs tried and a deeper-prefetch variant, if one was built
         chosen.plan.reason = (
             f"keeping every activation needs about {format_bytes(keep.peak)} (extrapolated) > budget "
             f"{format_bytes(budget)}; {n} repeated layers planned on {len(templates)} short copies of the step "
