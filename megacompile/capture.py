@@ -243,8 +243,8 @@ class TrainingCompiler:
             if short is None:
                 return [], 0
             inline_regions.inline_partitioned_regions(short)
-            _, resident = self._prepare(short)
-            templates.append(Template(k, make_maker(self._builder(short, num_fwd_outputs)), short, resident))
+            self._prepare(short)
+            templates.append(Template(k, make_maker(self._builder(short, num_fwd_outputs)), short))
         return templates, len(chain)
 
     # --- AOTAutograd callbacks ----------------------------------------------------------
@@ -284,7 +284,7 @@ class TrainingCompiler:
         chosen = None
         if templates:
             try:
-                chosen = plan_with_templates(make_maker(build), joint, both_phases, templates, repeated,
+                chosen = plan_with_templates(make_maker(build), joint, templates, repeated,
                                              self.options, profile)
             except Exception as e:  # noqa: BLE001
                 _template_failed(e)

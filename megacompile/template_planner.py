@@ -48,7 +48,6 @@ class Template:
     k: int
     maker: PlanMaker
     joint: fx.GraphModule
-    resident_candidates: list[str]
 
 
 @dataclasses.dataclass
@@ -58,20 +57,18 @@ class Spec:
 
     name: str
     default: str = "keep"
-    resident: bool = False
     by_origin: dict = dataclasses.field(default_factory=dict)  # BODY_NODE -> (policy, reason)
     by_name: dict = dataclasses.field(default_factory=dict)  # glue node name -> (policy, reason)
 
-    def build(self, maker: PlanMaker, joint: fx.GraphModule, resident_candidates: list[str],
-              snapshots: bool = False) -> Attempt:
+    def build(self, maker: PlanMaker, joint: fx.GraphModule, snapshots: bool = False) -> Attempt:
         per_value, reasons = {}, {}
         for node in joint.graph.nodes:
             origin = node.meta.get(BODY_NODE)
             chosen = self.by_origin.get(origin) if origin is not None else self.by_name.get(node.name)
             if chosen is not None:
                 per_value[node.name], reasons[node.name] = chosen
-        return maker.make(self.default, name=self.name, resident=resident_candidates if self.resident else None,
-                          per_value=per_value, value_reason=reasons, snapshots=snapshots)
+        return maker.make(self.default, name=self.name, per_value=per_value, value_reason=reasons,
+                          snapshots=snapshots)
 
 
 @dataclasses.dataclass
@@ -91,7 +88,7 @@ def _extrapolate(values: list[float], depths: tuple, n: int) -> float:
 
 
 def _price(spec: Spec, templates: list[Template], n: int) -> Priced:
-    attempts = tuple(spec.build(t.maker, t.joint, t.resident_candidates) for t in templates)
+    attempts = tuple(spec.build(t.maker, t.joint) for t in templates)
     for t, a in zip(templates, attempts):
         a.plan.predicted_seconds = t.maker.predict_seconds(a)
     depths = tuple(t.k for t in templates)
@@ -141,8 +138,8 @@ def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Te
     return specs
 
 
-def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, full_resident: list[str],
-                        templates: list[Template], n: int, options, profile) -> Attempt | None:
+def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: list[Template], n: int,
+                        options, profile) -> Attempt | None:
     """The plan for the full graph, or None where the flat planner should plan it (keeping
     every activation fits; recompute='always'; no rung's full-depth build fits)."""
     budget = options.memory_budget
@@ -163,7 +160,7 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, full_reside
     for rung in reversed(fitting[-MAX_FULL_BUILDS:]):
         # Built with inspect's snapshots: it is most likely the plan that runs, and capture
         # would otherwise build it a second time to take them.
-        attempt = rung.spec.build(full, full_joint, full_resident, snapshots=True)
+        attempt = rung.spec.build(full, full_joint, snapshots=True)
         if not full.fits(attempt):
             continue
         attempt.plan.predicted_seconds = full.predict_seconds(attempt)
