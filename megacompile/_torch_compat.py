@@ -244,6 +244,20 @@ def step_is_stock(opt: torch.optim.Optimizer) -> bool:
     return bool(getattr(own, "_wrapped_by_lr_sched", False)) and getattr(own, "__wrapped__", None) is type(opt).step
 
 
+def note_optimizer_step_called(opt: torch.optim.Optimizer) -> None:
+    """What the LR scheduler's wrapper of ``opt.step`` records at every call (its check that
+    ``optimizer.step()`` ran before ``scheduler.step()``)."""
+    opt._opt_called = True
+
+
+def set_instance_step(opt: torch.optim.Optimizer, step) -> None:
+    """Install ``step`` as ``opt.step`` on the instance, as an LR scheduler's wrapper is
+    installed: flagged as that wrapper, so a scheduler made later neither wraps it again nor
+    warns that ``step`` was overridden (``step`` must call ``note_optimizer_step_called``)."""
+    step._wrapped_by_lr_sched = True
+    opt.step = step
+
+
 def dynamo_resume_code(fn):
     """The code of a Dynamo resume function. For a frame with a closure Dynamo's global is a
     factory that builds the function from its ``code`` cell; this returns that code."""

@@ -21,6 +21,7 @@ from . import _torch_compat as compat
 from . import eager_update_watch
 from .capture import COMPILED, CompiledGraph, TrainingCompiler, lower_with
 from .errors import PlacementError, UnsupportedGraph
+from .host_optimizer import host_step_label, take_step_out_of_trace
 from .inline_regions import inline_nested_regions
 from .node_info import source_to_name
 from .options import Options, parse_options
@@ -159,7 +160,7 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
     try:
         with compat.invoke_subgraph_schema_memo():
-            return compat.aot_module_simplified(
+            compiled = compat.aot_module_simplified(
                 gm, example_inputs,
                 fw_compiler=compiler.compile_forward,
                 bw_compiler=compiler.compile_backward,
@@ -168,3 +169,28 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
             )
     except UnsupportedGraph as e:
         return _fallback(gm, example_inputs, opts, str(e))
+    # Compiled: from here on the optimizer's step() runs on the host without being traced.
+    params = {id(v): v for v, role in zip(example_inputs, roles) if role == "param"}
+    _host_step_record(take_step_out_of_trace(params), opts)
+    return compiled
+
+
+def _host_step_record(opt: torch.optim.Optimizer | None, options: Options) -> None:
+    """What ``inspect`` shows for an optimizer whose step() is no longer traced."""
+    if opt is None:
+        return
+    from megacompile.passes import GraphSnapshot
+
+    params = [p for group in opt.param_groups for p in group["params"]]
+    label = host_step_label(opt)
+    text = "\n".join([
+        f"# {label}: step() is not traced",
+        f"# {len(opt.param_groups)} parameter group(s), {len(params)} parameters, "
+        f"{sum(p.numel() for p in params):,} elements, updated on the host by the fused Adam kernel",
+        "# (megacompile/host_optimizer.py: fused_update); lr, betas, eps and weight_decay are read from",
+        "# param_groups at every call. Dynamo calls step() as one opaque function (a graph break), so",
+        "# capturing the training step does not trace the update tensor by tensor.",
+    ])
+    record = CompiledGraph(label=label, options=options)
+    record.snapshots = [GraphSnapshot("optimizer", "untraced", text, 0, 0, 0.0)]
+    COMPILED.append(record)

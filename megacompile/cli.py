@@ -262,6 +262,8 @@ def _snapshot_filename(index: int, snapshot) -> str:
 
 
 def _provenance(snapshot) -> str:
+    if snapshot.stage == "untraced":
+        return "not traced (runs on the host as one call)"
     if snapshot.stage == "captured":
         origin = "the host graph as Dynamo captured it" if snapshot.graph in ("optimizer", "host") \
             else "as traced by AOTAutograd, before any pass"

@@ -35,14 +35,16 @@ def optimizer_of(tensors: dict[int, torch.Tensor]) -> torch.optim.Optimizer | No
     return found
 
 
-def _supported(opt: torch.optim.Optimizer) -> bool:
+def _supported(opt: torch.optim.Optimizer, devices: tuple[str, ...] = ("cpu",)) -> bool:
+    """The fused kernel runs ``opt``'s update: a stock Adam / AdamW without amsgrad,
+    capturable or differentiable, over contiguous fp32 parameters on ``devices``."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
     for group in opt.param_groups:
         if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
             return False
         for p in group["params"]:
-            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+            if p.dtype != torch.float32 or p.device.type not in devices or not p.is_contiguous():
                 return False
     return True
 
@@ -58,6 +60,62 @@ def optimizer_of_graph(gm: fx.GraphModule) -> torch.optim.Optimizer | None:
     return optimizer_of(attrs) if attrs else None
 
 
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim keeps ``state["step"]`` in float64 when that is the default dtype.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _init_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """The state a stock Adam / AdamW creates at a parameter's first step (non-fused,
+    non-capturable): a zero step counter on the host and zero moments shaped like ``p``."""
+    state = opt.state[p]
+    state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def fused_update(opt: torch.optim.Optimizer) -> None:
+    """One step of a supported Adam / AdamW (``_supported``) with the fused host kernel, group
+    by group, over the parameters that have a gradient, as ``opt.step()`` does.
+
+    Hyperparameters are read from ``param_groups`` now, so a scheduler's change applies. A
+    parameter without state gets it as torch.optim would create it. On meta parameters (a
+    plan traced without memory) there are no values to update: the state is created and the
+    step counters advance, nothing else.
+    """
+    from megacompile.runtime.host_adam import fused_adam_step
+
+    decoupled_default = isinstance(opt, torch.optim.AdamW)
+    for group in opt.param_groups:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = opt.state[p] or _init_state(opt, p)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            continue
+        if params[0].device.type == "meta":
+            with torch.no_grad():
+                for step in steps:
+                    step += 1
+            continue
+        beta1, beta2 = group["betas"]
+        with torch.no_grad():
+            fused_adam_step(
+                params, grads, exp_avgs, exp_avg_sqs, steps,
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                decoupled=bool(group.get("decoupled_weight_decay", decoupled_default)),
+                maximize=bool(group.get("maximize", False)),
+            )
+
+
 def fused_step_for(gm: fx.GraphModule) -> Callable[..., Any] | None:
     """A fused replacement for a captured Adam / AdamW step graph, or None to keep the graph."""
     output = next(iter(gm.graph.find_nodes(op="output")))
@@ -66,40 +124,100 @@ def fused_step_for(gm: fx.GraphModule) -> Callable[..., Any] | None:
     opt = optimizer_of_graph(gm)
     if opt is None or not _supported(opt):
         return None
-    from megacompile.runtime.host_adam import fused_adam_step, host_adam_available
+    from megacompile.runtime.host_adam import host_adam_available
 
     if not host_adam_available():
         return None
-    decoupled_default = isinstance(opt, torch.optim.AdamW)
 
     def fused_step(*_graph_inputs: Any) -> tuple:
         # The graph's inputs are the parameters' .grad tensors; read them from the
         # optimizer, group by group, like torch.optim does.
-        for group in opt.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = opt.state[p]
-                if not state:  # first step of a parameter the graph never initialised
-                    raise RuntimeError("optimizer state missing for a parameter with a gradient")
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            with torch.no_grad():
-                fused_adam_step(
-                    params, grads, exp_avgs, exp_avg_sqs, steps,
-                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    decoupled=bool(group.get("decoupled_weight_decay", decoupled_default)),
-                    maximize=bool(group.get("maximize", False)),
-                )
+        fused_update(opt)
         return ()
 
     fused_step.optimizer = opt
     return fused_step
+
+
+# --- the step taken out of Dynamo's trace -----------------------------------------------------
+#
+# Dynamo traces a stock optimizer's ``step()`` tensor by tensor: for AdamW on CPU parameters
+# some fifteen ops per parameter, every parameter, gradient and state tensor a graph input. The
+# backend then throws that graph away and runs the fused kernel instead (``fused_step_for``).
+# That capture was 0.19 s of the 0.43 s a compile grows per decoder layer (2 cores, marked
+# layers; benchmarks/results/compile_time-*). So once a training graph has compiled, its
+# optimizer's ``step`` is replaced, on the instance, by a function Dynamo does not trace
+# (``torch.compiler.disable``): Dynamo calls it as one opaque call (a graph break) and it runs
+# ``fused_update``. This is what torch's own LR schedulers do to count steps (an instance
+# ``step`` that sets ``_opt_called``), and the replacement keeps that bookkeeping, so a
+# scheduler made before or after it works as before.
+
+HOST_STEP_MARK = "_megatrain_host_step"
+# Meta parameters too: ``megacompile plan`` and the compile-time benchmark trace steps on them.
+_HOST_STEP_DEVICES = ("cpu", "meta")
+
+
+def has_host_step(opt: torch.optim.Optimizer) -> bool:
+    return bool(getattr(vars(opt).get("step"), HOST_STEP_MARK, False))
+
+
+def host_step_label(opt: torch.optim.Optimizer) -> str:
+    return f"optimizer (host, fused {type(opt).__name__})"
+
+
+def _step_can_leave_the_trace(opt: torch.optim.Optimizer) -> bool:
+    from . import _torch_compat as compat
+    from megacompile.runtime.host_adam import host_adam_available
+
+    if not (_supported(opt, _HOST_STEP_DEVICES) and compat.step_is_stock(opt)
+            and not compat.optimizer_has_step_hooks(opt)):
+        return False
+    # Meta parameters need no kernel (and loading it takes seconds: not for `megacompile plan`).
+    on_meta = all(p.device.type == "meta" for group in opt.param_groups for p in group["params"])
+    return on_meta or bool(host_adam_available())
+
+
+def take_step_out_of_trace(params: dict[int, torch.Tensor]) -> torch.optim.Optimizer | None:
+    """Give the one optimizer of ``params`` (by id) a ``step`` Dynamo does not trace, which
+    runs the fused host kernel; returns that optimizer, or None where nothing was changed:
+    no optimizer, two, one the kernel does not run (``_supported``), a ``step`` the user
+    overrode, step hooks, or no kernel. Done once per optimizer."""
+    import weakref
+
+    from . import _torch_compat as compat
+
+    opt = optimizer_of(params)
+    if opt is None or has_host_step(opt) or not _step_can_leave_the_trace(opt):
+        return None
+    # What it replaces is the class's step, or the LR scheduler's wrapper that counts calls
+    # and then runs the class's step (``step_is_stock``); this does both. It holds the
+    # optimizer weakly, as that wrapper does (no reference cycle). ``Optimizer.__getstate__``
+    # leaves instance attributes out, so a copied or unpickled optimizer has the stock step.
+    opt_ref = weakref.ref(opt)
+    label = host_step_label(opt)
+
+    @torch.compiler.disable
+    def step(closure=None):
+        me = opt_ref()
+        compat.note_optimizer_step_called(me)
+        if closure is not None or compat.optimizer_has_step_hooks(me) or not _supported(me, _HOST_STEP_DEVICES):
+            # What the kernel does not do (a closure, hooks, a setting changed since): the
+            # stock step, run eagerly, as Dynamo runs a step it cannot capture.
+            return type(me).step(me, closure)
+        _run_host_step(me, label)
+        return None
+
+    setattr(step, HOST_STEP_MARK, True)
+    compat.set_instance_step(opt, step)
+    return opt
+
+
+def _run_host_step(opt: torch.optim.Optimizer, label: str) -> None:
+    from . import eager_update_watch
+    from .report import RECORDER
+    from .runtime import trace
+
+    with trace.span("host optimizer", label):
+        fused_update(opt)
+    eager_update_watch.host_step_ran()
+    RECORDER.host_graph_ran(label, opt)

@@ -253,14 +253,14 @@ def _internal_modules():
 
 
 def _optimizer_ready(opt: torch.optim.Optimizer, params: dict[int, torch.Tensor]) -> str | None:
-    from .host_optimizer import _supported
+    from .host_optimizer import _supported, has_host_step
     from .runtime.host_adam import host_adam_available
 
     if not _supported(opt):
         return f"{type(opt).__name__} is not run by the fused host kernel (stock Adam / AdamW only)"
     if not host_adam_available():
         return "the fused host Adam kernel is not available"
-    if not compat.step_is_stock(opt) or "zero_grad" in vars(opt):
+    if not (compat.step_is_stock(opt) or has_host_step(opt)) or "zero_grad" in vars(opt):
         return "the optimizer's step or zero_grad is overridden on the instance"
     if compat.optimizer_has_step_hooks(opt):
         return "optimizer step hooks are registered"

@@ -61,6 +61,9 @@ def _snapshot(model: nn.Module, opt: torch.optim.Optimizer):
         copy.deepcopy(model.state_dict()),
         copy.deepcopy(opt.state_dict()),
         [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
+        # A compiled training graph gives the optimizer a step() Dynamo does not trace
+        # (host_optimizer.take_step_out_of_trace); a failed compile must not.
+        "step" in vars(opt),
     )
 
 

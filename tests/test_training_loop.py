@@ -251,12 +251,14 @@ def test_lr_scheduler_tensor_lr_no_recompiles_after_warmup(sched_name):
 @pytest.mark.parametrize("sched_name", list(SCHEDULERS))
 def test_lr_scheduler_float_lr(sched_name):
     """What users write by default (a float lr, the scheduler stepping after each compiled
-    step): the results equal eager; the optimizer graph recompiles once, when the lr first
-    changes (Dynamo then makes the float a dynamic graph input), and never again."""
+    step): the results equal eager, and nothing recompiles when the lr changes: AdamW's step
+    is not traced (host_optimizer.take_step_out_of_trace reads the lr from param_groups at
+    every call), so its one host record is the untraced step's. (A traced optimizer graph
+    would recompile once, when Dynamo makes the changed float a dynamic input.)"""
     counts = _scheduled_run(sched_name, 1e-2)
-    assert counts[6] == counts[2], counts
+    assert counts[6] == counts[1], counts
     assert counts[6][0] == 1, counts
-    assert counts[6][1] <= 2, counts
+    assert counts[6][1] == 1, counts
 
 
 # --- 5. parameter groups ------------------------------------------------------------------
