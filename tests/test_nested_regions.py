@@ -270,6 +270,15 @@ def test_repeated_layers_the_user_did_not_mark_are_found_and_traced_once(monkeyp
     assert all(type(layer) is not layer_class and isinstance(layer, layer_class) for layer in model.model.layers)
     assert all(type(layer) is layer_class for layer in bystander.model.layers)
 
+    # The layer's call (hidden states, keywords, a (cos, sin) tuple) flattens into leaves, so
+    # Dynamo fingerprints each call on its fast path (repeats._flatten_call).
+    calls = []
+    handle = model.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(megacompile.repeats._flatten_call(args, kwargs)), with_kwargs=True)
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    handle.remove()
+    assert calls[0] is not None and "position_embeddings:tuple:2" in calls[0][0], calls
+
     report = _llama_trains_like_eager(model, reference)
     assert _once_per_body(body_partitions)
     assert megacompile.unmark_repeated_layers(model) == [f"model.layers.{i}" for i in range(3)]
@@ -285,3 +294,69 @@ def test_find_repeats_needs_the_same_class_and_shapes():
     # MarkedBlock's class forward is a region already: found, but not marked again.
     assert megacompile.repeats.find_repeats(holder) == [["blocks.0", "blocks.1"]]
     assert megacompile.mark_repeated_layers(holder) == []
+
+
+def test_a_marked_call_is_flattened_into_leaves_and_rebuilt():
+    """The marking forward hands the region a layout string and flat leaves (Dynamo's fast
+    fingerprint path, no pytree flatten traced per call); the region rebuilds the same call."""
+    from megacompile.repeats import _flatten_call, _unflatten_call
+
+    h, cos, sin, ids = torch.randn(2, 3), torch.randn(3), torch.randn(3), torch.arange(3)
+    kwargs = {"attention_mask": None, "position_embeddings": (cos, sin), "position_ids": ids,
+              "use_cache": False, "extra": [ids, 2]}
+    layout, leaves = _flatten_call((h, 7), kwargs)
+    assert layout == "0|1|attention_mask|position_embeddings:tuple:2|position_ids|use_cache|extra:list:2"
+    assert [type(v) for v in leaves] == [torch.Tensor, int, type(None), torch.Tensor, torch.Tensor, torch.Tensor,
+                                         bool, torch.Tensor, int]
+    args, rebuilt = _unflatten_call(layout, tuple(leaves))
+    assert args[0] is h and args[1] == 7
+    assert list(rebuilt) == list(kwargs)
+    assert type(rebuilt["position_embeddings"]) is tuple and rebuilt["position_embeddings"][1] is sin
+    assert type(rebuilt["extra"]) is list and rebuilt["extra"] == [ids, 2]
+    assert rebuilt["use_cache"] is False and rebuilt["attention_mask"] is None
+    # A nested or non-leaf argument is not flattened (the region gets the call as it is).
+    assert _flatten_call((h,), {"cache": {"k": h}}) is None
+    assert _flatten_call((h,), {"pairs": ((cos, sin),)}) is None
+
+
+class DictArgBlock(nn.Module):
+    """A layer called with a dict: its marked call takes the region's ordinary path."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, scales: dict) -> torch.Tensor:
+        return x + scales["a"] * F.gelu(self.up(x))
+
+
+class DictArgNet(nn.Module):
+    def __init__(self, depth: int = 4, dim: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DictArgBlock(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, {"a": 0.5})
+        return self.head(x)
+
+
+def test_a_marked_layer_with_a_non_leaf_argument_trains_like_eager():
+    torch.manual_seed(0)
+    model = DictArgNet()
+    reference = copy.deepcopy(model)
+    assert megacompile.mark_repeated_layers(model) == [f"blocks.{i}" for i in range(4)]
+    step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
+    eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
+    compiled = torch.compile(step, backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "memory_budget": training_state_bytes(model) // 4})
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)
+        torch.testing.assert_close(compiled(x, y), eager_step(x, y), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    # The calls reached the backend as regions (one invoke_subgraph per layer, inlined).
+    record = next(r for r in megacompile.capture.COMPILED if r.backward is not None)
+    assert any(inline_regions.BODY_NODE in n.meta for n in record.forward.graph.nodes)
