@@ -1,6 +1,7 @@
 """Compile + plan time against depth: a full-depth megatrain compile vs `megacompile plan`.
 
 Usage:  python benchmarks/compile_time.py [--layers 8,16,32,64] [--seq-len 256] [--no-save] [--template-only]
+                                         [--breakdown]
 
 For each depth N of a small Llama config (the llama-3-8b preset scaled down: hidden 256,
 MLP 688, 4 heads of 64, 2 KV heads, vocabulary 1024), on the meta device (nothing is
@@ -23,6 +24,9 @@ allocated; the numbers are compile and planning time only):
   (g) with --template-only: layers marked, a tight budget, plan_repeats='flat' vs 'template'
       (megacompile/template_planner.py): compile time, the chosen plan's predicted step time
       and peak, the template's extrapolated peak, how often the full graph was built.
+  (h) with --breakdown (default depths 16 and 64): a marked compile's time by part (Dynamo,
+      AOTAutograd, the partition's inlining, passes, snapshots, extraction), beside variants
+      that switch off the optimizer step's removal from the trace and the flattened region call.
 
 Output: a table on stdout, saved to benchmarks/results/compile_time-<date>-cpu-2core.txt.
 """
@@ -159,6 +163,94 @@ def template_table(depths: list[int], seq_len: int) -> list[str]:
     return lines
 
 
+# --- (h) where a marked compile's time goes, and what the two capture savings are worth ---------
+_VARIANTS = {
+    # name: (optimizer step traced by Dynamo, region call fingerprinted through pytree)
+    "as shipped": (False, False),
+    "optimizer step traced": (True, False),
+    "call not flattened": (False, True),
+    "both (before 2026-11-23 07:00)": (True, True),
+}
+
+
+def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool) -> tuple[float, dict]:
+    """(compile s, seconds by part) of the marked step (budget none). ``trace_step``: leave the
+    optimizer's step to Dynamo (host_optimizer.take_step_out_of_trace switched off);
+    ``pytree_call``: marked layers get the plain region call (repeats._flatten_call off)."""
+    import contextlib
+    from unittest import mock
+
+    from megacompile import _torch_compat as compat, backend, inline_regions, repeats
+    import megacompile.passes as passes
+
+    parts: dict[str, float] = {}
+
+    def timing(owner, name, key):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                parts[key] = parts.get(key, 0.0) + time.perf_counter() - t0
+        return mock.patch.object(owner, name, timed)
+
+    with contextlib.ExitStack() as stack:
+        for owner, name, key in ((compat, "aot_module_simplified", "aot"), (capture.TrainingCompiler, "partition", "partition"),
+                                 (capture, "run_passes", "passes"), (passes, "format_graph", "snapshots"),
+                                 (compat, "extract_forward_backward", "extract"),
+                                 (inline_regions, "inline_partitioned_regions", "inline")):
+            stack.enter_context(timing(owner, name, key))
+        if trace_step:
+            stack.enter_context(mock.patch.object(backend, "take_step_out_of_trace", lambda params: None))
+        if pytree_call:
+            stack.enter_context(mock.patch.object(repeats, "_flatten_call", lambda args, kwargs: None))
+        plan_cmd._reset_dynamo()
+        capture.COMPILED.clear()
+        repeats._MARKED_CLASSES.clear()  # the marking forward reads _flatten_call at call time
+        model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
+        assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
+        first, second = _two_calls(model, seq_len)
+        plan_cmd._reset_dynamo()
+        repeats._MARKED_CLASSES.clear()
+    return first - second, parts
+
+
+def breakdown_table(depths: list[int], seq_len: int) -> list[str]:
+    lines = [
+        "(h) layers marked by mark_repeated_layers, budget 'none'; compile s = first call - second call, each in",
+        "a fresh model; the parts are timers around megatrain's pieces (aot = AOTAutograd with megatrain's",
+        "partitioner inside it; Dynamo = compile - aot). Variants switch today's two capture changes off again:",
+        "'optimizer step traced' (Dynamo traces AdamW's step, the backend swaps in the fused kernel) and 'call",
+        "not flattened' (Dynamo fingerprints each region call by tracing pytree.tree_flatten over its keywords)",
+        f"{'variant':<32} {'layers':>6} {'compile s':>10} {'Dynamo':>7} {'aot':>6} {'partition':>10} {'inline':>7} "
+        f"{'passes':>7} {'(snapshots)':>11} {'extract':>8}",
+    ]
+    print("\n".join(lines), flush=True)
+    growth = {}
+    for name, (trace_step, pytree_call) in _VARIANTS.items():
+        for n in depths:
+            total, parts = _timed_compile(small_llama(n), seq_len, trace_step, pytree_call)
+            dynamo = total - parts.get("aot", 0.0)
+            row = (f"{name:<32} {n:>6} {total:>10.2f} {dynamo:>7.2f} {parts.get('aot', 0):>6.2f} "
+                   f"{parts.get('partition', 0):>10.2f} {parts.get('inline', 0):>7.2f} {parts.get('passes', 0):>7.2f} "
+                   f"{parts.get('snapshots', 0):>11.2f} {parts.get('extract', 0):>8.2f}")
+            print(row, flush=True)
+            lines.append(row)
+            growth.setdefault(name, []).append((n, total, dynamo, parts))
+    lines.append("per added layer (s):")
+    for name, rows in growth.items():
+        (n0, t0, d0, p0), (n1, t1, d1, p1) = rows[0], rows[-1]
+        span = n1 - n0
+        row = (f"{name:<32} {'':>6} {(t1 - t0) / span:>10.3f} {(d1 - d0) / span:>7.3f} "
+               f"{(p1.get('aot', 0) - p0.get('aot', 0)) / span:>6.3f} "
+               f"{(p1.get('partition', 0) - p0.get('partition', 0)) / span:>10.3f}")
+        lines.append(row)
+    print("\n".join(lines[-len(growth) - 1:]), flush=True)
+    return lines
+
+
 def planned(cfg: dict, seq_len: int, budget: int | None):
     plan_cmd._TRACE_CACHE.clear()
     t0 = time.perf_counter()
@@ -209,7 +301,27 @@ def main(argv=None) -> int:
     p.add_argument("--inductor-layers", default="2,4,8", help="depths of the Inductor-lowering table (d)")
     p.add_argument("--template-only", action="store_true",
                    help="only table (g), flat vs template planning, saved as compile_time-<date>-cpu-2core-template.txt")
+    p.add_argument("--breakdown", action="store_true",
+                   help="only table (h), where a marked compile's time goes, saved as compile_time-<date>-cpu-2core-breakdown.txt")
     args = p.parse_args(argv)
+    if args.breakdown:
+        started = datetime.datetime.now()
+        load_before = os.getloadavg()[0]
+        head = [f"compile time of marked layers, by part  {started:%Y-%m-%d %H:%M}  (cpu-2core)",
+                f"cpu: {platform.processor() or platform.machine()} x{os.cpu_count()} logical; torch {torch.__version__}, "
+                f"threads {torch.get_num_threads()}, python {platform.python_version()}",
+                f"model: llama-3-8b preset scaled down (as tables (a)-(c)), batch 1 x seq {args.seq_len}, fp32, meta device", ""]
+        print("\n".join(head), flush=True)
+        depths = [int(x) for x in args.layers.split(",") if x] if args.layers != "8,16,32,64" else [16, 64]
+        lines = head + breakdown_table(depths, args.seq_len)
+        lines.append(f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} "
+                     "logical CPUs")
+        if not args.no_save:
+            out = os.path.join(HERE, "results", f"compile_time-{started:%Y-%m-%d}-cpu-2core-breakdown.txt")
+            with open(out, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+            print(f"wrote {os.path.relpath(out)}", file=sys.stderr)
+        return 0
     if args.template_only:
         started = datetime.datetime.now()
         load_before = os.getloadavg()[0]

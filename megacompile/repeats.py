@@ -48,6 +48,8 @@ def _flatten_call(args: tuple, kwargs: dict) -> tuple[str, list] | None:
     """(layout, leaves) of a call whose arguments are leaves or flat tuples / lists of leaves;
     None for any other argument (a cache object, a dict)."""
     parts, leaves = [], []
+    if not all(name.isidentifier() for name in kwargs):  # the layout spells keywords as names
+        return None
     for name, value in list(enumerate(args)) + list(kwargs.items()):
         if isinstance(value, _LEAF):
             parts.append(str(name))

@@ -317,6 +317,7 @@ def test_a_marked_call_is_flattened_into_leaves_and_rebuilt():
     # A nested or non-leaf argument is not flattened (the region gets the call as it is).
     assert _flatten_call((h,), {"cache": {"k": h}}) is None
     assert _flatten_call((h,), {"pairs": ((cos, sin),)}) is None
+    assert _flatten_call((h,), {"a|b": h}) is None
 
 
 class DictArgBlock(nn.Module):
