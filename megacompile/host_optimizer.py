@@ -144,8 +144,8 @@ def fused_step_for(gm: fx.GraphModule) -> Callable[..., Any] | None:
 # Dynamo traces a stock optimizer's ``step()`` tensor by tensor: for AdamW on CPU parameters
 # some fifteen ops per parameter, every parameter, gradient and state tensor a graph input. The
 # backend then throws that graph away and runs the fused kernel instead (``fused_step_for``).
-# That capture was 0.19 s of the 0.43 s a compile grows per decoder layer (2 cores, marked
-# layers; benchmarks/results/compile_time-*). So once a training graph has compiled, its
+# That capture was 0.21 s of the 0.41 s a compile grew per marked decoder layer (2 cores;
+# benchmarks/compile_time.py --breakdown, table (h)). So once a training graph has compiled, its
 # optimizer's ``step`` is replaced, on the instance, by a function Dynamo does not trace
 # (``torch.compiler.disable``): Dynamo calls it as one opaque call (a graph break) and it runs
 # ``fused_update``. This is what torch's own LR schedulers do to count steps (an instance

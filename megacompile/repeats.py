@@ -37,8 +37,9 @@ _MARKED_CLASSES: dict[type, type] = {}
 # At every call of a region Dynamo fingerprints the arguments to find the traced body it can
 # reuse. Flat positional leaves (tensors, constants, the module) take its fast path; anything
 # else, keyword arguments included, is flattened by tracing ``pytree.tree_flatten`` through
-# Dynamo, which was a third of Dynamo's time per decoder layer (a Hugging Face layer is called
-# with keywords and a (cos, sin) tuple): 0.045 of 0.13 s per layer on 2 cores. So the marking
+# Dynamo, which was half of Dynamo's time per decoder layer (a Hugging Face layer is called
+# with keywords and a (cos, sin) tuple): 0.10 s per layer on 2 cores (benchmarks/compile_time.py
+# --breakdown, table (h)). So the marking
 # forward flattens the call itself, into a layout string (one constant) and the leaves, and the
 # region rebuilds the call from them.
 _LEAF = (torch.Tensor, type(None), bool, int, float, str)

@@ -102,6 +102,10 @@ def test_step_is_not_traced_and_equals_eager(ctor):
     assert record.label == f"optimizer (host, fused {type(opt).__name__})"
     assert "step() is not traced" in record.snapshots[0].text
     assert f"{sum(p.numel() for p in model.parameters()):,} elements" in record.snapshots[0].text
+    from megacompile.cli import _snapshot_header
+
+    assert _snapshot_header(record.label, 0, record.snapshots[0]).endswith(
+        "optimizer / untraced -- not traced (runs on the host as one call)")
     # The step report names the host kernel that ran.
     assert record.label in megacompile.last_report().host_graphs
     # Copies and pickles carry the stock step (Optimizer.__getstate__ keeps no instance
