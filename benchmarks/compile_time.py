@@ -293,6 +293,26 @@ def inductor_lowering(layers: int, reuse: bool) -> tuple[float, int, int]:
     return first, stats["compiled"] + stats["reused"], stats["compiled"]
 
 
+def _one_table(title: str, suffix: str, table, depths: list[int], args) -> int:
+    """Run one of the tables that have a mode of their own; saved as compile_time-<date>-cpu-2core-<suffix>.txt."""
+    started = datetime.datetime.now()
+    load_before = os.getloadavg()[0]
+    head = [f"{title}  {started:%Y-%m-%d %H:%M}  (cpu-2core)",
+            f"cpu: {platform.processor() or platform.machine()} x{os.cpu_count()} logical; torch {torch.__version__}, "
+            f"threads {torch.get_num_threads()}, python {platform.python_version()}",
+            f"model: llama-3-8b preset scaled down (as tables (a)-(c)), batch 1 x seq {args.seq_len}, fp32, meta device", ""]
+    print("\n".join(head), flush=True)
+    lines = head + table(depths, args.seq_len)
+    lines.append(f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} "
+                 "logical CPUs")
+    if not args.no_save:
+        out = os.path.join(HERE, "results", f"compile_time-{started:%Y-%m-%d}-cpu-2core-{suffix}.txt")
+        with open(out, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        print(f"wrote {os.path.relpath(out)}", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", default="8,16,32,64")
@@ -305,40 +325,11 @@ def main(argv=None) -> int:
                    help="only table (h), where a marked compile's time goes, saved as compile_time-<date>-cpu-2core-breakdown.txt")
     args = p.parse_args(argv)
     if args.breakdown:
-        started = datetime.datetime.now()
-        load_before = os.getloadavg()[0]
-        head = [f"compile time of marked layers, by part  {started:%Y-%m-%d %H:%M}  (cpu-2core)",
-                f"cpu: {platform.processor() or platform.machine()} x{os.cpu_count()} logical; torch {torch.__version__}, "
-                f"threads {torch.get_num_threads()}, python {platform.python_version()}",
-                f"model: llama-3-8b preset scaled down (as tables (a)-(c)), batch 1 x seq {args.seq_len}, fp32, meta device", ""]
-        print("\n".join(head), flush=True)
         depths = [int(x) for x in args.layers.split(",") if x] if args.layers != "8,16,32,64" else [16, 64]
-        lines = head + breakdown_table(depths, args.seq_len)
-        lines.append(f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} "
-                     "logical CPUs")
-        if not args.no_save:
-            out = os.path.join(HERE, "results", f"compile_time-{started:%Y-%m-%d}-cpu-2core-breakdown.txt")
-            with open(out, "w", encoding="utf-8") as f:
-                f.write("\n".join(lines) + "\n")
-            print(f"wrote {os.path.relpath(out)}", file=sys.stderr)
-        return 0
+        return _one_table("compile time of marked layers, by part", "breakdown", breakdown_table, depths, args)
     if args.template_only:
-        started = datetime.datetime.now()
-        load_before = os.getloadavg()[0]
-        head = [f"compile + plan time vs depth, flat vs template planning  {started:%Y-%m-%d %H:%M}  (cpu-2core)",
-                f"cpu: {platform.processor() or platform.machine()} x{os.cpu_count()} logical; torch {torch.__version__}, "
-                f"threads {torch.get_num_threads()}, python {platform.python_version()}",
-                f"model: llama-3-8b preset scaled down (as tables (a)-(c)), batch 1 x seq {args.seq_len}, fp32, meta device", ""]
-        print("\n".join(head), flush=True)
-        lines = head + template_table([int(x) for x in args.layers.split(",") if x], args.seq_len)
-        lines.append(f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} "
-                     "logical CPUs")
-        if not args.no_save:
-            out = os.path.join(HERE, "results", f"compile_time-{started:%Y-%m-%d}-cpu-2core-template.txt")
-            with open(out, "w", encoding="utf-8") as f:
-                f.write("\n".join(lines) + "\n")
-            print(f"wrote {os.path.relpath(out)}", file=sys.stderr)
-        return 0
+        return _one_table("compile + plan time vs depth, flat vs template planning", "template", template_table,
+                          [int(x) for x in args.layers.split(",") if x], args)
     depths = [int(x) for x in args.layers.split(",") if x]  # --layers "": table (d) only
 
     load_before = os.getloadavg()[0]

@@ -112,6 +112,9 @@ def test_step_is_not_traced_and_equals_eager(ctor):
     # attributes), so a copy never updates the original.
     assert not has_host_step(copy.deepcopy(opt))
     assert not has_host_step(pickle.loads(pickle.dumps(opt)))
+    # Removing the instance attribute gives the class's step back.
+    del opt.step
+    assert not has_host_step(opt) and opt.step.__func__ is type(opt).step
 
 
 def test_an_optimizer_the_kernel_does_not_run_is_traced_as_before():

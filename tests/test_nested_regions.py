@@ -39,9 +39,9 @@ class MarkedBlock(nn.Module):
 
 
 class MarkedNet(nn.Module):
-    def __init__(self, depth: int = 5, dim: int = 32) -> None:
+    def __init__(self, depth: int = 5, dim: int = 32, block: type = MarkedBlock) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(MarkedBlock(dim) for _ in range(depth))
+        self.blocks = nn.ModuleList(block(dim) for _ in range(depth))
         self.head = nn.Linear(dim, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,12 +50,15 @@ class MarkedNet(nn.Module):
         return self.head(x)
 
 
-def _marked_net_under_a_quarter_budget():
-    """A MarkedNet compiled by megatrain under 25% of its training state (streaming forced),
-    with an eager twin from the same weights: (model, twin, compiled step, eager step, budget)."""
+def _marked_net_under_a_quarter_budget(net: type = MarkedNet, mark: bool = False):
+    """A ``net`` compiled by megatrain under 25% of its training state (streaming forced), its
+    layers marked by mark_repeated_layers if ``mark``, with an eager twin from the same
+    weights: (model, twin, compiled step, eager step, budget)."""
     torch.manual_seed(0)
-    model = MarkedNet()
+    model = net()
     reference = copy.deepcopy(model)
+    if mark:
+        assert megacompile.mark_repeated_layers(model) == [f"blocks.{i}" for i in range(len(model.blocks))]
     step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
     eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
     budget = training_state_bytes(model) // 4
@@ -64,10 +67,10 @@ def _marked_net_under_a_quarter_budget():
     return model, reference, compiled, eager_step, budget
 
 
-def _two_steps_equal_eager():
+def _two_steps_equal_eager(net: type = MarkedNet, mark: bool = False):
     """Two AdamW steps of the marked net under a quarter budget, asserted equal to eager
     (losses and parameters): (model, budget)."""
-    model, reference, compiled, eager_step, budget = _marked_net_under_a_quarter_budget()
+    model, reference, compiled, eager_step, budget = _marked_net_under_a_quarter_budget(net, mark)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)
@@ -331,11 +334,9 @@ class DictArgBlock(nn.Module):
         return x + scales["a"] * F.gelu(self.up(x))
 
 
-class DictArgNet(nn.Module):
-    def __init__(self, depth: int = 4, dim: int = 32) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(DictArgBlock(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, 4)
+class DictArgNet(MarkedNet):
+    def __init__(self) -> None:
+        super().__init__(depth=4, block=DictArgBlock)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -344,20 +345,7 @@ class DictArgNet(nn.Module):
 
 
 def test_a_marked_layer_with_a_non_leaf_argument_trains_like_eager():
-    torch.manual_seed(0)
-    model = DictArgNet()
-    reference = copy.deepcopy(model)
-    assert megacompile.mark_repeated_layers(model) == [f"blocks.{i}" for i in range(4)]
-    step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
-    eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
-    compiled = torch.compile(step, backend="megatrain", options={
-        "device": "cpu", "lowering": "eager", "memory_budget": training_state_bytes(model) // 4})
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x, y = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)
-        torch.testing.assert_close(compiled(x, y), eager_step(x, y), rtol=1e-5, atol=0)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    _two_steps_equal_eager(DictArgNet, mark=True)
     # The calls reached the backend as regions (one invoke_subgraph per layer, inlined).
     record = next(r for r in megacompile.capture.COMPILED if r.backward is not None)
     assert any(inline_regions.BODY_NODE in n.meta for n in record.forward.graph.nodes)
