@@ -26,7 +26,7 @@ allocated; the numbers are compile and planning time only):
       and peak, the template's extrapolated peak, how often the full graph was built.
   (h) with --breakdown (default depths 16 and 64): a marked compile's time by part (Dynamo,
       AOTAutograd, the partition's inlining, passes, snapshots, extraction), beside variants
-      that switch off the optimizer step's removal from the trace and the flattened region call.
+      that keep inspect's snapshots, trace the optimizer's step, or leave region calls unflattened.
 
 Output: a table on stdout, saved to benchmarks/results/compile_time-<date>-cpu-2core.txt.
 """
@@ -165,18 +165,22 @@ def template_table(depths: list[int], seq_len: int) -> list[str]:
 
 # --- (h) where a marked compile's time goes, and what the two capture savings are worth ---------
 _VARIANTS = {
-    # name: (optimizer step traced by Dynamo, region call fingerprinted through pytree)
-    "as shipped": (False, False),
-    "optimizer step traced": (True, False),
-    "call not flattened": (False, True),
-    "both (before 2026-11-23 07:00)": (True, True),
+    # name: (optimizer step traced by Dynamo, region call fingerprinted through pytree,
+    #        per-pass snapshots kept as under `megacompile inspect`)
+    "as shipped": (False, False, False),
+    "snapshots kept (inspect)": (False, False, True),
+    "optimizer step traced": (True, False, False),
+    "call not flattened": (False, True, False),
+    "all three (before 2026-11-23 07:00)": (True, True, True),
 }
 
 
-def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool) -> tuple[float, dict]:
+def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
+                   snapshots: bool) -> tuple[float, dict]:
     """(compile s, seconds by part) of the marked step (budget none). ``trace_step``: leave the
     optimizer's step to Dynamo (host_optimizer.take_step_out_of_trace switched off);
-    ``pytree_call``: marked layers get the plain region call (repeats._flatten_call off)."""
+    ``pytree_call``: marked layers get the plain region call (repeats._flatten_call off);
+    ``snapshots``: the option, as `megacompile inspect` sets it."""
     import contextlib
     from unittest import mock
 
@@ -211,7 +215,7 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool)
         repeats._MARKED_CLASSES.clear()  # the marking forward reads _flatten_call at call time
         model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
         assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
-        first, second = _two_calls(model, seq_len)
+        first, second = _two_calls(model, seq_len, snapshots=snapshots)
         plan_cmd._reset_dynamo()
         repeats._MARKED_CLASSES.clear()
     return first - second, parts
@@ -221,19 +225,20 @@ def breakdown_table(depths: list[int], seq_len: int) -> list[str]:
     lines = [
         "(h) layers marked by mark_repeated_layers, budget 'none'; compile s = first call - second call, each in",
         "a fresh model; the parts are timers around megatrain's pieces (aot = AOTAutograd with megatrain's",
-        "partitioner inside it; Dynamo = compile - aot). Variants switch today's two capture changes off again:",
+        "partitioner inside it; Dynamo = compile - aot). Variants switch today's three changes off again:",
+        "'snapshots kept' (every graph formatted and linted after every pass, as under megacompile inspect),",
         "'optimizer step traced' (Dynamo traces AdamW's step, the backend swaps in the fused kernel) and 'call",
         "not flattened' (Dynamo fingerprints each region call by tracing pytree.tree_flatten over its keywords)",
-        f"{'variant':<32} {'layers':>6} {'compile s':>10} {'Dynamo':>7} {'aot':>6} {'partition':>10} {'inline':>7} "
+        f"{'variant':<36} {'layers':>6} {'compile s':>10} {'Dynamo':>7} {'aot':>6} {'partition':>10} {'inline':>7} "
         f"{'passes':>7} {'(snapshots)':>11} {'extract':>8}",
     ]
     print("\n".join(lines), flush=True)
     growth = {}
-    for name, (trace_step, pytree_call) in _VARIANTS.items():
+    for name, flags in _VARIANTS.items():
         for n in depths:
-            total, parts = _timed_compile(small_llama(n), seq_len, trace_step, pytree_call)
+            total, parts = _timed_compile(small_llama(n), seq_len, *flags)
             dynamo = total - parts.get("aot", 0.0)
-            row = (f"{name:<32} {n:>6} {total:>10.2f} {dynamo:>7.2f} {parts.get('aot', 0):>6.2f} "
+            row = (f"{name:<36} {n:>6} {total:>10.2f} {dynamo:>7.2f} {parts.get('aot', 0):>6.2f} "
                    f"{parts.get('partition', 0):>10.2f} {parts.get('inline', 0):>7.2f} {parts.get('passes', 0):>7.2f} "
                    f"{parts.get('snapshots', 0):>11.2f} {parts.get('extract', 0):>8.2f}")
             print(row, flush=True)
@@ -243,7 +248,7 @@ def breakdown_table(depths: list[int], seq_len: int) -> list[str]:
     for name, rows in growth.items():
         (n0, t0, d0, p0), (n1, t1, d1, p1) = rows[0], rows[-1]
         span = n1 - n0
-        row = (f"{name:<32} {'':>6} {(t1 - t0) / span:>10.3f} {(d1 - d0) / span:>7.3f} "
+        row = (f"{name:<36} {'':>6} {(t1 - t0) / span:>10.3f} {(d1 - d0) / span:>7.3f} "
                f"{(p1.get('aot', 0) - p0.get('aot', 0)) / span:>6.3f} "
                f"{(p1.get('partition', 0) - p0.get('partition', 0)) / span:>10.3f}")
         lines.append(row)

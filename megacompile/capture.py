@@ -187,9 +187,10 @@ class TrainingCompiler:
         def build(plan: TrainingPlan, snapshots: bool = False):
             from .planner import Attempt
 
+            snapshots = snapshots and self.options.keeps_snapshots
             # Candidates are built without the inspect snapshots (formatting every graph after
-            # every pass was a third of the planning time); the chosen plan is built again
-            # with them.
+            # every pass was a third of the planning time); where snapshots are kept (option
+            # snapshots: under `megacompile inspect`), the chosen plan is built again with them.
             jctx = self._ctx("joint", plan)
             run_passes(joint, jctx, keep_snapshots=snapshots)
             by_name = {n.name: n for n in joint.graph.nodes}
@@ -290,7 +291,7 @@ class TrainingCompiler:
                 _template_failed(e)
         if chosen is None:
             chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases, joint=joint)
-        if not chosen.snapshots:  # built as a candidate: again, with inspect's snapshots
+        if self.options.keeps_snapshots and not chosen.snapshots:  # built as a candidate: again, with them
             priced = chosen.peak
             chosen = build(chosen.plan, snapshots=True)
             if chosen.peak != priced:  # building is a pure function of the plan; the budget check relies on it
@@ -357,7 +358,7 @@ class TrainingCompiler:
         inline_nested_regions(gm)  # marked layers' calls, as traced (nothing partitioned)
         plan = TrainingPlan(policy="inference", budget=self.options.memory_budget)
         ctx = self._ctx("inference", plan)
-        run_passes(gm, ctx)
+        run_passes(gm, ctx, keep_snapshots=self.options.keeps_snapshots)
         plan.forward = estimate_memory(gm, keep_outputs_alive=False, lowering=self.options.lowering,
                                        granularity=allocation_granularity(self.options.device))
         budget = self.options.memory_budget

@@ -25,6 +25,10 @@ import traceback
 from typing import Any, Callable, NamedTuple, Sequence
 
 from . import _torch_compat, calibrate
+# Set to "1" while `inspect` runs the user's script, so a script can notice it (for instance to
+# run one step instead of a hundred); the graphs then keep their per-pass snapshots
+# (option snapshots="auto").
+from .options import INSPECT_ENV
 
 PROG = "megacompile"
 
@@ -34,9 +38,6 @@ PROG = "megacompile"
 GRAPH_KINDS = ("joint", "forward", "backward", "inference", "optimizer", "host")
 FORMATS = ("text", "json")
 
-# Environment variable set to "1" while `inspect` runs the user's script, so a script can
-# notice it (for instance to run one step instead of a hundred).
-INSPECT_ENV = "MEGACOMPILE_INSPECT"
 
 _INSPECT_EPILOG = """\
 Options of inspect may come before SCRIPT or among the script's arguments; every other

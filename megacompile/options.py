@@ -7,6 +7,7 @@ any graph is touched.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Any, Mapping
 
@@ -20,6 +21,9 @@ LOWERINGS = ("inductor", "eager")
 RECOMPUTE_POLICIES = ("auto", "always", "never")
 SOLVER_NAMES = ("exact", "greedy")
 PLAN_REPEATS = ("auto", "template", "flat")
+# Set to "1" while `megacompile inspect` runs the user's script (a script can notice it, and
+# the option `snapshots="auto"` reads it).
+INSPECT_ENV = "MEGACOMPILE_INSPECT"
 
 _UNITS = {
     "": 1, "b": 1,
@@ -91,6 +95,17 @@ class Options:
     # "auto": on CUDA; off on the CPU stand-in, whose device lane computes on the very host
     # cores the updates would run on (there is nothing to overlap with).
     overlap_optimizer: bool | str = "auto"
+    # Keep the text of every graph after every pass for `megacompile inspect` (the chosen plan
+    # is then built with a lint after each pass, so a broken graph names its pass). Formatting
+    # and linting the whole program after each pass was a tenth of a compile's growth per
+    # layer. "auto": only while `megacompile inspect` runs the script.
+    snapshots: bool | str = "auto"
+
+    @property
+    def keeps_snapshots(self) -> bool:
+        if self.snapshots == "auto":
+            return os.environ.get(INSPECT_ENV) == "1"
+        return bool(self.snapshots)
 
     @property
     def overlaps_optimizer(self) -> bool:
@@ -175,6 +190,10 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         if not isinstance(raw["overlap_optimizer"], bool) and raw["overlap_optimizer"] != "auto":
             raise OptionsError(f"option overlap_optimizer={raw['overlap_optimizer']!r} must be True, False or 'auto'")
         kw["overlap_optimizer"] = raw["overlap_optimizer"]
+    if "snapshots" in raw:
+        if not isinstance(raw["snapshots"], bool) and raw["snapshots"] != "auto":
+            raise OptionsError(f"option snapshots={raw['snapshots']!r} must be True, False or 'auto'")
+        kw["snapshots"] = raw["snapshots"]
     if "disable_passes" in raw:
         names = raw["disable_passes"]
         if isinstance(names, str):

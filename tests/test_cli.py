@@ -200,3 +200,41 @@ def test_calibrate_is_wired(capsys):
 def test_version(capsys):
     assert cli.main(["--version"]) == 0
     assert re.fullmatch(r"megacompile \S+\n", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("setting", ["default", "inspect", "on", "off_under_inspect"])
+def test_snapshots_are_kept_for_inspect_only(setting, monkeypatch):
+    """Formatting the program after every pass is for `inspect`: by default (snapshots="auto")
+    a compile keeps none unless inspect runs the script (its environment variable), or the
+    option asks. The program itself is the same either way."""
+    import torch
+    import torch.nn.functional as F
+
+    import megacompile
+    from megacompile.options import INSPECT_ENV
+    from reference_models import MLP, make_training_step
+
+    options = {"device": "cpu", "lowering": "eager"}
+    if setting in ("inspect", "off_under_inspect"):
+        monkeypatch.setenv(INSPECT_ENV, "1")
+    if setting == "on":
+        options["snapshots"] = True
+    if setting == "off_under_inspect":
+        options["snapshots"] = False
+    torch.manual_seed(0)
+    step, _ = make_training_step(MLP(16, 2, 4), F.mse_loss)
+    torch.compile(step, backend="megatrain", options=options)(torch.randn(4, 16), torch.randn(4, 4))
+    record = next(r for r in megacompile.capture.COMPILED if r.backward is not None)
+    stages = [(s.graph, s.stage) for s in record.snapshots]
+    if setting in ("inspect", "on"):
+        assert stages[0] == ("joint", "captured") and ("backward", "offload_gradients") in stages
+    else:
+        assert stages == []
+    assert any(n.target is megacompile.ops.load for n in record.forward.graph.nodes)
+
+
+def test_snapshots_option_is_checked():
+    from megacompile import OptionsError, parse_options
+
+    with pytest.raises(OptionsError, match="snapshots='yes' must be True, False or 'auto'"):
+        parse_options({"snapshots": "yes"})

@@ -45,7 +45,7 @@ def _compile_and_run(name: str):
     reference = copy.deepcopy(model)
     step, _ = make_training_step(model, loss_fn)
     eager_step, _ = make_training_step(reference, loss_fn)
-    step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager", **options})
+    step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager", "snapshots": True, **options})
     x, y = make_batch(torch.Generator().manual_seed(1))
     # bf16 is compared with eager under autocast (tests/test_bf16.py says why 1e-5 holds).
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.get("precision") == "bf16"):

@@ -312,7 +312,8 @@ def test_disable_stream_parameters_still_trains():
     step, _ = make_training_step(model, torch.nn.functional.mse_loss)
     ref_step, _ = make_training_step(reference, torch.nn.functional.mse_loss)
     compiled = torch.compile(step, backend="megatrain",
-                             options={"device": "cpu", "lowering": "eager", "disable_passes": ["stream_parameters"]})
+                             options={"device": "cpu", "lowering": "eager", "disable_passes": ["stream_parameters"],
+                                      "snapshots": True})
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
