@@ -171,7 +171,7 @@ _VARIANTS = {
     "snapshots kept (inspect)": (False, False, True),
     "optimizer step traced": (True, False, False),
     "call not flattened": (False, True, False),
-    "all three (before 2026-11-23 07:00)": (True, True, True),
+    "all three off (main at 06:24)": (True, True, True),
 }
 
 
