@@ -138,6 +138,16 @@ def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Te
     return specs
 
 
+def _deeper_prefetch_may_pay(rung: Priced, template: Template) -> bool:
+    """Whether the rung's deeper-prefetch variant is worth a build over the full graph: on the
+    longer short copy, some load stalls the compute lane and prefetching it one layer further
+    ahead is predicted faster. (A full build of the variant costs what the rung's own did; on
+    the benchmark Llama it was built at every depth from 16 layers and never taken.)"""
+    short = rung.attempts[-1]
+    deeper = template.maker.deeper_prefetch(short)
+    return deeper is not None and template.maker.predict_seconds(deeper) < short.plan.predicted_seconds
+
+
 def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: list[Template], n: int,
                         options, profile) -> Attempt | None:
     """The plan for the full graph, or None where the flat planner should plan it (keeping
@@ -164,7 +174,7 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: 
         if not full.fits(attempt):
             continue
         attempt.plan.predicted_seconds = full.predict_seconds(attempt)
-        chosen = full.with_tuned_prefetch(attempt)
+        chosen = full.with_tuned_prefetch(attempt) if _deeper_prefetch_may_pay(rung, templates[-1]) else attempt
         builds = full.builds  # the rungs tried and a deeper-prefetch variant, if one was built
         chosen.plan.reason = (
             f"keeping every activation needs about {format_bytes(keep.peak)} (extrapolated) > budget "

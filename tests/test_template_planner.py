@@ -127,6 +127,36 @@ def test_template_plan_is_as_fast_as_the_flat_planners():
     assert template.predicted_seconds <= flat.predicted_seconds * 1.05
 
 
+def _planned_on_h200(fraction: float):
+    """As ``_planned(6, fraction, "template")`` with the H200 profile, whose lane simulation
+    shows loads stalling the compute lane (the CPU stand-in's copies are synchronous)."""
+    torch.manual_seed(0)
+    model = Net(6)
+    megacompile.mark_repeated_layers(model)
+    step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
+    compat.reset_dynamo()
+    compiled = torch.compile(step, backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "memory_budget": int(training_state_bytes(model) * fraction),
+        "plan_repeats": "template", "hardware": "h200"})
+    compiled(*_batch(torch.Generator().manual_seed(1)))
+    return _plan_of_last_compile()
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6])
+def test_the_short_copy_decides_whether_a_deeper_prefetch_variant_is_built(fraction, monkeypatch):
+    """The chosen rung's deeper-prefetch variant is built over the full graph only where the
+    longer short copy predicts it faster. Against always building it: the same plan, the same
+    predicted time and peak, one full build fewer."""
+    checked = _planned_on_h200(fraction)
+    monkeypatch.setattr(template_planner, "_deeper_prefetch_may_pay", lambda rung, template: True)
+    always = _planned_on_h200(fraction)
+    assert checked.template is not None and always.template is not None
+    assert checked.policy == always.policy and checked.prefetch == always.prefetch
+    assert checked.predicted_seconds == pytest.approx(always.predicted_seconds, rel=1e-12)
+    assert checked.peak_bytes == always.peak_bytes
+    assert checked.template["full_builds"] == always.template["full_builds"] - 1
+
+
 def test_template_plans_grow_no_slower_with_the_budget():
     plans = [_planned(6, fraction, "template")[0] for fraction in (0.3, 0.37, 0.45)]
     assert all(p.template is not None for p in plans)
