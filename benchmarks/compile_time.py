@@ -26,7 +26,9 @@ allocated; the numbers are compile and planning time only):
       and peak, the template's extrapolated peak, how often the full graph was built.
   (h) with --breakdown (default depths 16 and 64): a marked compile's time by part (Dynamo,
       AOTAutograd, the partition's inlining, passes, snapshots, extraction), beside variants
-      that keep inspect's snapshots, trace the optimizer's step, or leave region calls unflattened.
+      that leave the cycle collector on, keep inspect's snapshots, trace the optimizer's step,
+      or leave region calls unflattened, and beside torch.compile's own aot_eager backend on
+      the same marked step (the capture every backend pays).
 
 Output: a table on stdout, saved to benchmarks/results/compile_time-<date>-cpu-2core.txt.
 """
@@ -163,24 +165,27 @@ def template_table(depths: list[int], seq_len: int) -> list[str]:
     return lines
 
 
-# --- (h) where a marked compile's time goes, and what the two capture savings are worth ---------
+# --- (h) where a marked compile's time goes, and what each capture saving is worth ---------------
 _VARIANTS = {
     # name: (optimizer step traced by Dynamo, region call fingerprinted through pytree,
-    #        per-pass snapshots kept as under `megacompile inspect`)
-    "as shipped": (False, False, False),
-    "snapshots kept (inspect)": (False, False, True),
-    "optimizer step traced": (True, False, False),
-    "call not flattened": (False, True, False),
-    "all three off (main at 06:24)": (True, True, True),
+    #        per-pass snapshots kept as under `megacompile inspect`, cycle collector left on)
+    "as shipped": (False, False, False, False),
+    "collector on": (False, False, False, True),
+    "snapshots kept (inspect)": (False, False, True, False),
+    "optimizer step traced": (True, False, False, False),
+    "call not flattened": (False, True, False, False),
+    "all four off (main on 11-23 06:24)": (True, True, True, True),
 }
+_AOT_EAGER = "torch.compile aot_eager, same capture"
 
 
 def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
-                   snapshots: bool) -> tuple[float, dict]:
+                   snapshots: bool, collector_on: bool) -> tuple[float, dict]:
     """(compile s, seconds by part) of the marked step (budget none). ``trace_step``: leave the
     optimizer's step to Dynamo (host_optimizer.take_step_out_of_trace switched off);
     ``pytree_call``: marked layers get the plain region call (repeats._flatten_call off);
-    ``snapshots``: the option, as `megacompile inspect` sets it."""
+    ``snapshots``: the option, as `megacompile inspect` sets it; ``collector_on``: Python's
+    cycle collector runs during AOTAutograd and the partition (backend._cycle_collector_paused off)."""
     import contextlib
     from unittest import mock
 
@@ -210,6 +215,8 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
             stack.enter_context(mock.patch.object(backend, "take_step_out_of_trace", lambda params: None))
         if pytree_call:
             stack.enter_context(mock.patch.object(repeats, "_flatten_call", lambda args, kwargs: None))
+        if collector_on:
+            stack.enter_context(mock.patch.object(backend, "_cycle_collector_paused", contextlib.nullcontext))
         plan_cmd._reset_dynamo()
         capture.COMPILED.clear()
         repeats._MARKED_CLASSES.clear()  # the marking forward reads _flatten_call at call time
@@ -221,36 +228,81 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
     return first - second, parts
 
 
+def _aot_eager_compile(cfg: dict, seq_len: int) -> float:
+    """Compile s of the same marked step under torch.compile's own ``aot_eager`` backend (Dynamo +
+    AOTAutograd, default partitioner, no megatrain), with the optimizer's step kept out of the
+    trace the way megatrain keeps it out (``torch.compiler.disable``): the capture any backend pays."""
+    plan_cmd._reset_dynamo()
+    model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
+    assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    opt.step = torch.compiler.disable(opt.step)
+
+    def step(input_ids, labels):
+        loss = plan_cmd.host_cross_entropy(model(input_ids=input_ids).logits, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend="aot_eager")
+    x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    compiled(x, x)
+    t1 = time.perf_counter()
+    compiled(x, x)
+    t2 = time.perf_counter()
+    plan_cmd._reset_dynamo()
+    return (t1 - t0) - (t2 - t1)
+
+
 def breakdown_table(depths: list[int], seq_len: int) -> list[str]:
     lines = [
         "(h) layers marked by mark_repeated_layers, budget 'none'; compile s = first call - second call, each in",
         "a fresh model; the parts are timers around megatrain's pieces (aot = AOTAutograd with megatrain's",
-        "partitioner inside it; Dynamo = compile - aot). Variants switch today's three changes off again:",
-        "'snapshots kept' (every graph formatted and linted after every pass, as under megacompile inspect),",
-        "'optimizer step traced' (Dynamo traces AdamW's step, the backend swaps in the fused kernel) and 'call",
-        "not flattened' (Dynamo fingerprints each region call by tracing pytree.tree_flatten over its keywords)",
-        f"{'variant':<36} {'layers':>6} {'compile s':>10} {'Dynamo':>7} {'aot':>6} {'partition':>10} {'inline':>7} "
-        f"{'passes':>7} {'(snapshots)':>11} {'extract':>8}",
+        "partitioner inside it; Dynamo = compile - aot; capture = Dynamo + the AOTAutograd time outside the",
+        "partition, which megatrain does not control). Variants switch each saving off again: 'collector on'",
+        "(Python's cycle collector runs during AOTAutograd and the partition), 'snapshots kept' (every graph",
+        "formatted and linted after every pass, as under megacompile inspect), 'optimizer step traced' (Dynamo",
+        "traces AdamW's step, the backend swaps in the fused kernel) and 'call not flattened' (Dynamo fingerprints",
+        "each region call by tracing pytree.tree_flatten over its keywords). The last variant is torch.compile's own",
+        "backend='aot_eager' (Dynamo + AOTAutograd, default partitioner) on the same marked step, its optimizer step",
+        "kept out of the trace as megatrain keeps it: the capture every torch.compile backend pays.",
+        f"{'variant':<38} {'layers':>6} {'compile s':>10} {'Dynamo':>7} {'aot':>6} {'partition':>10} {'inline':>7} "
+        f"{'passes':>7} {'(snapshots)':>11} {'extract':>8} {'capture':>8}",
     ]
     print("\n".join(lines), flush=True)
+    # One-time imports and caches of each backend, not timed.
+    _timed_compile(small_llama(2), seq_len, *_VARIANTS["as shipped"])
+    _aot_eager_compile(small_llama(2), seq_len)
     growth = {}
-    for name, flags in _VARIANTS.items():
+    for name in list(_VARIANTS) + [_AOT_EAGER]:
         for n in depths:
-            total, parts = _timed_compile(small_llama(n), seq_len, *flags)
-            dynamo = total - parts.get("aot", 0.0)
-            row = (f"{name:<36} {n:>6} {total:>10.2f} {dynamo:>7.2f} {parts.get('aot', 0):>6.2f} "
-                   f"{parts.get('partition', 0):>10.2f} {parts.get('inline', 0):>7.2f} {parts.get('passes', 0):>7.2f} "
-                   f"{parts.get('snapshots', 0):>11.2f} {parts.get('extract', 0):>8.2f}")
+            if name == _AOT_EAGER:
+                total, parts = _aot_eager_compile(small_llama(n), seq_len), None
+                row = f"{name:<38} {n:>6} {total:>10.2f}" + "".join(f" {'-':>{w}}" for w in (7, 6, 10, 7, 7, 11, 8, 8))
+            else:
+                total, parts = _timed_compile(small_llama(n), seq_len, *_VARIANTS[name])
+                dynamo = total - parts.get("aot", 0.0)
+                capture_s = total - parts.get("partition", 0.0)
+                row = (f"{name:<38} {n:>6} {total:>10.2f} {dynamo:>7.2f} {parts.get('aot', 0):>6.2f} "
+                       f"{parts.get('partition', 0):>10.2f} {parts.get('inline', 0):>7.2f} {parts.get('passes', 0):>7.2f} "
+                       f"{parts.get('snapshots', 0):>11.2f} {parts.get('extract', 0):>8.2f} {capture_s:>8.2f}")
             print(row, flush=True)
             lines.append(row)
-            growth.setdefault(name, []).append((n, total, dynamo, parts))
-    lines.append("per added layer (s):")
+            growth.setdefault(name, []).append((n, total, parts))
+    skipped = " " * 37  # the inline, passes, snapshots and extract columns
+    lines.append(f"{f'per added layer (s), {depths[0]} -> {depths[-1]} layers':<45} {'compile':>10} {'Dynamo':>7} "
+                 f"{'aot':>6} {'partition':>10}{skipped} {'capture':>8}")
     for name, rows in growth.items():
-        (n0, t0, d0, p0), (n1, t1, d1, p1) = rows[0], rows[-1]
+        (n0, t0, p0), (n1, t1, p1) = rows[0], rows[-1]
         span = n1 - n0
-        row = (f"{name:<36} {'':>6} {(t1 - t0) / span:>10.3f} {(d1 - d0) / span:>7.3f} "
-               f"{(p1.get('aot', 0) - p0.get('aot', 0)) / span:>6.3f} "
-               f"{(p1.get('partition', 0) - p0.get('partition', 0)) / span:>10.3f}")
+        row = f"{name:<38} {'':>6} {(t1 - t0) / span:>10.3f}"
+        if p0 is not None:
+            def grew(key):
+                return (p1.get(key, 0.0) - p0.get(key, 0.0)) / span
+            row += (f" {(t1 - t0) / span - grew('aot'):>7.3f} {grew('aot'):>6.3f} {grew('partition'):>10.3f}"
+                    f"{skipped} {(t1 - t0) / span - grew('partition'):>8.3f}")
         lines.append(row)
     print("\n".join(lines[-len(growth) - 1:]), flush=True)
     return lines

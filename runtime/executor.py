@@ -15,6 +15,7 @@ Two lowerings share the executor:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
 import time
@@ -307,9 +308,10 @@ class StreamingProgram:
         # Slot -> position in the returned tuple, for values returned directly.
         self.output_position: dict[int, int] = {}
         if isinstance(self.output_template, (list, tuple)):
-            returned = [t.index for t in self.output_template if isinstance(t, _Slot)]
+            # Counted once: a forward returns every saved value, thousands in a deep model.
+            times_returned = collections.Counter(t.index for t in self.output_template if isinstance(t, _Slot))
             for position, t in enumerate(self.output_template):
-                if isinstance(t, _Slot) and returned.count(t.index) == 1:  # returned once
+                if isinstance(t, _Slot) and times_returned[t.index] == 1:  # returned once
                     self.output_position[t.index] = position
         # bf16: a gradient comes back as an offloaded bf16 copy that a host cast widens to the
         # fp32 value returned. Offload slot -> (returned position, the cast's slot): the

@@ -18,6 +18,7 @@ Everything runs on the CPU stand-in with ``lowering="eager"`` and small models.
 from __future__ import annotations
 
 import copy
+import gc
 import re
 import warnings
 
@@ -64,6 +65,8 @@ def _snapshot(model: nn.Module, opt: torch.optim.Optimizer):
         # A compiled training graph gives the optimizer a step() Dynamo does not trace
         # (host_optimizer.take_step_out_of_trace); a failed compile must not.
         "step" in vars(opt),
+        # The compile pauses Python's cycle collector (backend._cycle_collector_paused).
+        gc.isenabled(),
     )
 
 
@@ -324,3 +327,30 @@ def test_higher_order_op_warns_once_and_stays_correct():
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (losses, eager_losses)
     for name, value in eager_state.items():
         assert (state[name] - value).abs().max().item() <= 1e-5, name
+
+
+# --- the cycle collector ---------------------------------------------------------------------
+def test_the_cycle_collector_is_paused_while_compiling_and_left_as_the_user_had_it(monkeypatch):
+    from megacompile import capture
+
+    seen_while_partitioning: list[bool] = []
+    partition = capture.TrainingCompiler.partition
+
+    def recording(self, *args, **kwargs):
+        seen_while_partitioning.append(gc.isenabled())
+        return partition(self, *args, **kwargs)
+
+    monkeypatch.setattr(capture.TrainingCompiler, "partition", recording)
+    assert gc.isenabled()
+    try:
+        for user_had_it_on in (True, False):
+            torch._dynamo.reset()
+            seen_while_partitioning.clear()
+            if not user_had_it_on:
+                gc.disable()
+            model, opt, step, x, y = _mlp_setup(warm=False)
+            assert torch.isfinite(_compiled(step)(x, y))
+            assert seen_while_partitioning and not any(seen_while_partitioning), seen_while_partitioning
+            assert gc.isenabled() is user_had_it_on
+    finally:
+        gc.enable()
