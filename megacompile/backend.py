@@ -11,8 +11,6 @@ Dynamo splits the user's step into graphs and calls ``megatrain`` once per graph
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import warnings
 from typing import Any
 
@@ -21,6 +19,7 @@ import torch.fx as fx
 
 from . import _torch_compat as compat
 from . import eager_update_watch
+from .collector import cycle_collector_paused
 from .capture import COMPILED, CompiledGraph, TrainingCompiler, lower_with
 from .errors import PlacementError, UnsupportedGraph
 from .host_optimizer import host_step_label, take_step_out_of_trace
@@ -161,7 +160,7 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
         compat.wrap_in_autocast(gm, "cpu", opts.autocast_dtype)
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
     try:
-        with compat.invoke_subgraph_schema_memo(), _cycle_collector_paused():
+        with compat.invoke_subgraph_schema_memo(), cycle_collector_paused():
             compiled = compat.aot_module_simplified(
                 gm, example_inputs,
                 fw_compiler=compiler.compile_forward,
@@ -175,26 +174,6 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     params = {id(v): v for v, role in zip(example_inputs, roles) if role == "param"}
     _host_step_record(take_step_out_of_trace(params), opts)
     return compiled
-
-
-@contextlib.contextmanager
-def _cycle_collector_paused():
-    """Python's cycle collector off while AOTAutograd traces and megatrain partitions.
-
-    That stretch creates hundreds of thousands of objects that live on (fx nodes, their meta,
-    fake tensors), and each collection the allocations trigger walks them all again: about
-    1.4 s of a 26 s compile at 128 marked layers, a share that grows with depth
-    (benchmarks/compile_time.py --breakdown). The cycles made meanwhile are collected as
-    usual once it is back on; peak memory was the same. A collector the caller had switched
-    off stays off.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _host_step_record(opt: torch.optim.Optimizer | None, options: Options) -> None:

@@ -319,8 +319,12 @@ class TrainingCompiler:
 
     @torch.compiler.disable
     def compile_backward(self, gm: fx.GraphModule, example_inputs) -> Any:
-        program = self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record,
-                             part="backward")
+        from .collector import cycle_collector_paused
+
+        # Called on the first loss.backward(), outside the backend's pause (collector.py).
+        with cycle_collector_paused():
+            program = self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record,
+                                 part="backward")
         program.make_lander = self._make_lander
         finished = program.on_finish
 

@@ -331,26 +331,45 @@ def test_higher_order_op_warns_once_and_stays_correct():
 
 # --- the cycle collector ---------------------------------------------------------------------
 def test_the_cycle_collector_is_paused_while_compiling_and_left_as_the_user_had_it(monkeypatch):
-    from megacompile import capture
+    from megacompile import backend, capture
 
-    seen_while_partitioning: list[bool] = []
-    partition = capture.TrainingCompiler.partition
+    seen_while_compiling: list[tuple[str, bool]] = []
 
-    def recording(self, *args, **kwargs):
-        seen_while_partitioning.append(gc.isenabled())
-        return partition(self, *args, **kwargs)
+    def recording(name):
+        original = getattr(capture.TrainingCompiler, name)
 
-    monkeypatch.setattr(capture.TrainingCompiler, "partition", recording)
+        def record(self, *args, **kwargs):
+            seen_while_compiling.append((name, gc.isenabled()))
+            return original(self, *args, **kwargs)
+        return record
+
+    # The partition runs inside AOTAutograd's trace; the backward is lowered later, on the
+    # first loss.backward().
+    monkeypatch.setattr(capture.TrainingCompiler, "partition", recording("partition"))
+    monkeypatch.setattr(backend, "lower_with", _recording_lowering(backend.lower_with, seen_while_compiling))
     assert gc.isenabled()
     try:
         for user_had_it_on in (True, False):
             torch._dynamo.reset()
-            seen_while_partitioning.clear()
+            seen_while_compiling.clear()
             if not user_had_it_on:
                 gc.disable()
             model, opt, step, x, y = _mlp_setup(warm=False)
             assert torch.isfinite(_compiled(step)(x, y))
-            assert seen_while_partitioning and not any(seen_while_partitioning), seen_while_partitioning
+            assert {name for name, _ in seen_while_compiling} == {"partition", "forward", "backward"}, seen_while_compiling
+            assert not any(enabled for _, enabled in seen_while_compiling), seen_while_compiling
             assert gc.isenabled() is user_had_it_on
     finally:
         gc.enable()
+
+
+def _recording_lowering(lower_with, seen: list):
+    """``capture.lower_with`` whose lowering also records whether the collector runs."""
+    def recording_lower_with(options, device):
+        lower = lower_with(options, device)
+
+        def record(gm, *args, part, **kwargs):
+            seen.append((part, gc.isenabled()))
+            return lower(gm, *args, part=part, **kwargs)
+        return record
+    return recording_lower_with
