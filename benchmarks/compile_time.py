@@ -185,11 +185,11 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
     optimizer's step to Dynamo (host_optimizer.take_step_out_of_trace switched off);
     ``pytree_call``: marked layers get the plain region call (repeats._flatten_call off);
     ``snapshots``: the option, as `megacompile inspect` sets it; ``collector_on``: Python's
-    cycle collector runs during AOTAutograd and the partition (backend._cycle_collector_paused off)."""
+    cycle collector runs while megatrain compiles (collector.cycle_collector_paused off)."""
     import contextlib
     from unittest import mock
 
-    from megacompile import _torch_compat as compat, backend, inline_regions, repeats
+    from megacompile import _torch_compat as compat, backend, collector, inline_regions, repeats
     import megacompile.passes as passes
 
     parts: dict[str, float] = {}
@@ -218,7 +218,8 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
         if pytree_call:
             stack.enter_context(mock.patch.object(repeats, "_flatten_call", lambda args, kwargs: None))
         if collector_on:
-            stack.enter_context(mock.patch.object(backend, "_cycle_collector_paused", contextlib.nullcontext))
+            for owner in (backend, collector):
+                stack.enter_context(mock.patch.object(owner, "cycle_collector_paused", contextlib.nullcontext))
         plan_cmd._reset_dynamo()
         capture.COMPILED.clear()
         repeats._MARKED_CLASSES.clear()  # the marking forward reads _flatten_call at call time
@@ -264,8 +265,8 @@ def breakdown_table(depths: list[int], seq_len: int) -> list[str]:
         "a fresh model; the parts are timers around megatrain's pieces (aot = AOTAutograd with megatrain's",
         "partitioner inside it; lowering = building the forward and backward programs, the backward's on the",
         "first loss.backward(); Dynamo = compile - aot - lowering; capture = compile - partition - lowering: Dynamo",
-        "and AOTAutograd's own work, which megatrain does not control). Variants switch each saving off again: 'collector on'",
-        "(Python's cycle collector runs during AOTAutograd and the partition), 'snapshots kept' (every graph",
+        "and AOTAutograd's own work, which megatrain does not control). Variants switch each saving off again:",
+        "'collector on' (Python's cycle collector runs while megatrain compiles), 'snapshots kept' (every graph",
         "formatted and linted after every pass, as under megacompile inspect), 'optimizer step traced' (Dynamo",
         "traces AdamW's step, the backend swaps in the fused kernel) and 'call not flattened' (Dynamo fingerprints",
         "each region call by tracing pytree.tree_flatten over its keywords). The last variant is torch.compile's own",
