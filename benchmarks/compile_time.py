@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import platform
 import sys
@@ -48,6 +49,14 @@ from megacompile import capture, plan_cmd, presets
 from megacompile.hardware import get_profile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _collect_earlier_garbage() -> None:
+    """Collect what earlier compiles left before timing the next one. A compile leaves cyclic
+    garbage (its fx graphs) that only a full collection frees; without this, that collection
+    lands inside whatever is timed next (table (b) had plan times twice the others right after
+    a large full compile)."""
+    gc.collect()
 
 
 def small_llama(layers: int) -> dict:
@@ -68,6 +77,7 @@ def _two_calls(model, seq_len: int, budget: int | None = None, backend: str = "m
             kwargs["options"]["memory_budget"] = budget
     compiled = torch.compile(plan_cmd.make_step(model), **kwargs)
     x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    _collect_earlier_garbage()
     with plan_cmd._meta_placement():
         t0 = time.perf_counter()
         compiled(x, x)
@@ -250,6 +260,7 @@ def _aot_eager_compile(cfg: dict, seq_len: int) -> float:
 
     compiled = torch.compile(step, backend="aot_eager")
     x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    _collect_earlier_garbage()
     t0 = time.perf_counter()
     compiled(x, x)
     t1 = time.perf_counter()
@@ -316,6 +327,7 @@ def breakdown_table(depths: list[int], seq_len: int) -> list[str]:
 
 def planned(cfg: dict, seq_len: int, budget: int | None):
     plan_cmd._TRACE_CACHE.clear()
+    _collect_earlier_garbage()
     t0 = time.perf_counter()
     r = plan_cmd.plan_model(cfg, get_profile("h200"), batch=1, seq_len=seq_len, budget=budget, search=False)
     return time.perf_counter() - t0, r
@@ -346,6 +358,7 @@ def inductor_lowering(layers: int, reuse: bool) -> tuple[float, int, int]:
         segment_cache.segment_structure = lambda gm: object()  # a key no other segment has
     try:
         x = torch.randint(0, 128, (1, 32))
+        _collect_earlier_garbage()
         t0 = time.perf_counter()
         compiled(x)
         first = time.perf_counter() - t0
