@@ -199,7 +199,7 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
     import contextlib
     from unittest import mock
 
-    from megacompile import _torch_compat as compat, backend, collector, inline_regions, repeats
+    from megacompile import _torch_compat as compat, backend, inline_regions, repeats
     import megacompile.passes as passes
 
     parts: dict[str, float] = {}
@@ -228,7 +228,7 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
         if pytree_call:
             stack.enter_context(mock.patch.object(repeats, "_flatten_call", lambda args, kwargs: None))
         if collector_on:
-            for owner in (backend, collector):
+            for owner in (backend, capture):
                 stack.enter_context(mock.patch.object(owner, "cycle_collector_paused", contextlib.nullcontext))
         plan_cmd._reset_dynamo()
         capture.COMPILED.clear()

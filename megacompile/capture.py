@@ -23,6 +23,7 @@ from megacompile.passes import PassContext, run_passes
 from . import _torch_compat as compat
 from .errors import BudgetError
 from . import inline_regions
+from .collector import cycle_collector_paused
 from .node_info import info
 from .options import Options, format_bytes
 from .plan import TrainingPlan, allocation_granularity, estimate_memory, storage_roots
@@ -319,8 +320,6 @@ class TrainingCompiler:
 
     @torch.compiler.disable
     def compile_backward(self, gm: fx.GraphModule, example_inputs) -> Any:
-        from .collector import cycle_collector_paused
-
         # Called on the first loss.backward(), outside the backend's pause (collector.py).
         with cycle_collector_paused():
             program = self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record,
