@@ -23,8 +23,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-import megacompile  # noqa: E402,F401
 from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes  # noqa: E402
+
+import megacompile  # noqa: E402,F401
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import write_result  # noqa: E402

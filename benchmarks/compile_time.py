@@ -22,7 +22,7 @@ allocated; the numbers are compile and planning time only):
       every torch.compile backend pays, and how each grows per layer.
   (d) the Inductor lowering on real CPU tensors: segments compiled once and reused.
   (g) with --template-only: layers marked, a tight budget, plan_repeats='flat' vs 'template'
-      (megacompile/template_planner.py): compile time, the chosen plan's predicted step time
+      (megacompile/plan/template_planner.py): compile time, the chosen plan's predicted step time
       and peak, the template's extrapolated peak, how often the full graph was built.
   (h) with --breakdown (default depths 16 and 64): a marked compile's time by part (Dynamo,
       AOTAutograd, the partition's inlining, passes, snapshots, extraction), beside variants
@@ -45,8 +45,14 @@ import time
 import torch
 
 import megacompile
-from megacompile import capture, plan_cmd, presets
-from megacompile.hardware import get_profile
+from megacompile.capture import training_compiler as capture
+from megacompile.capture.records import recording
+from megacompile.cli import plan_command as plan_cmd
+from megacompile.cli import presets
+from megacompile.plan.hardware import get_profile
+
+# Every graph megatrain compiles in this run, oldest first (filled by records.recording).
+COMPILED: list = []
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -91,7 +97,7 @@ def compile_seconds(cfg: dict, seq_len: int, backend: str, marked: bool) -> floa
     """Compile seconds (first call - second call) of the step under ``backend`` (budget none),
     with the decoder layers marked or not."""
     plan_cmd._reset_dynamo()
-    capture.COMPILED.clear()
+    COMPILED.clear()
     model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
     if marked:
         assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
@@ -104,10 +110,10 @@ def full_compile(cfg: dict, seq_len: int, budget: int | None) -> tuple[float, fl
     """(first call s, second call s, the planner's plan, its peak, its decoder-layer counts as
     plan_model writes them or None) of a full-depth compile on meta."""
     plan_cmd._reset_dynamo()
-    capture.COMPILED.clear()
+    COMPILED.clear()
     model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
     first, second = _two_calls(model, seq_len, budget)
-    record = next(r for r in capture.COMPILED if r.plan is not None and r.plan.policy != "inference")
+    record = next(r for r in COMPILED if r.plan is not None and r.plan.policy != "inference")
     plan_cmd._reset_dynamo()
     plan = record.plan
     if plan.layer_policy:  # per-layer: count the decoder layers (glue listed apart when not kept)
@@ -129,11 +135,11 @@ def marked_tight(cfg: dict, seq_len: int, mode: str, budget: int | None) -> tupl
     """(compile s, the step's plan) of the full-depth step with its layers marked by
     mark_repeated_layers, under ``budget`` (None: no budget), planned with plan_repeats=``mode``."""
     plan_cmd._reset_dynamo()
-    capture.COMPILED.clear()
+    COMPILED.clear()
     model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
     assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
     first, second = _two_calls(model, seq_len, budget, plan_repeats=mode)
-    record = next(r for r in capture.COMPILED if r.plan is not None and r.plan.policy != "inference")
+    record = next(r for r in COMPILED if r.plan is not None and r.plan.policy != "inference")
     plan_cmd._reset_dynamo()
     return first - second, record.plan
 
@@ -144,7 +150,7 @@ def template_table(depths: list[int], seq_len: int) -> list[str]:
     4-layer copies, one rung built over all N)."""
     lines = [
         "(g) layers marked by mark_repeated_layers, budget 'tight' (half the keep-everything peak): plan_repeats='flat'",
-        "(every candidate built over the full graph) vs 'template' (megacompile/template_planner.py: candidates built",
+        "(every candidate built over the full graph) vs 'template' (megacompile/plan/template_planner.py: candidates built",
         "on 3- and 4-layer copies of the step and extrapolated; the chosen rung built over the full graph);",
         "compile s = first call - second call; pred ms = the cost model's step time of the chosen plan (h200 profile)",
         f"{'layers':>6} {'flat: compile s':>16} {'pred ms':>8} {'peak MiB':>9} | {'template: compile s':>20} "
@@ -199,8 +205,11 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
     import contextlib
     from unittest import mock
 
-    from megacompile import _torch_compat as compat, backend, inline_regions, repeats
     import megacompile.passes as passes
+    from megacompile import backend
+    from megacompile.capture import inline_regions
+    from megacompile.capture import repeated_layers as repeats
+    from megacompile.core import torch_compat as compat
 
     parts: dict[str, float] = {}
 
@@ -231,7 +240,7 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
             for owner in (backend, capture):
                 stack.enter_context(mock.patch.object(owner, "cycle_collector_paused", contextlib.nullcontext))
         plan_cmd._reset_dynamo()
-        capture.COMPILED.clear()
+        COMPILED.clear()
         repeats._MARKED_CLASSES.clear()  # the marking forward reads _flatten_call at call time
         model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
         assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
@@ -343,7 +352,7 @@ def inductor_lowering(layers: int, reuse: bool) -> tuple[float, int, int]:
     from megacompile.runtime import segment_cache
 
     plan_cmd._reset_dynamo()
-    capture.COMPILED.clear()
+    COMPILED.clear()
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                              num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
@@ -464,7 +473,7 @@ def main(argv=None) -> int:
         "(budget 'none'): Dynamo traces the",
         "layer once and calls it per layer; AOTAutograd traces and partitions the layer once (its schema derived",
         "once: compat.invoke_subgraph_schema_memo); megatrain inlines the partitioned bodies per call",
-        "(megacompile/inline_regions.py), so the passes and the planner still see every layer",
+        "(megacompile/capture/inline_regions.py), so the passes and the planner still see every layer",
         "Beside it, torch.compile's own capture of the same step (compile s, budget 'none'): Dynamo alone",
         "(backend='eager': the captured graphs run as they are; no autograd tracing) and Dynamo + AOTAutograd",
         "with the default partitioner (backend='aot_eager'); the last row is the growth per added layer",
@@ -520,4 +529,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recording(into=COMPILED):
+        sys.exit(main())

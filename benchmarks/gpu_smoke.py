@@ -52,8 +52,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-import megacompile  # noqa: E402
 import reference_models  # noqa: E402
+
+import megacompile  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import cpu_model  # noqa: E402

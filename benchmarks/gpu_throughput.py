@@ -44,18 +44,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import megacompile  # noqa: E402
-from megacompile.capture import COMPILED  # noqa: E402
-from megacompile.cost_model import predict_record  # noqa: E402
-from megacompile.hardware import get_profile  # noqa: E402
-from reference_models import labels_training_step, training_state_bytes  # noqa: E402
 from _machine import cpu_model  # noqa: E402
+from reference_models import labels_training_step, training_state_bytes  # noqa: E402
+
+import megacompile  # noqa: E402
+from megacompile.capture.records import recording  # noqa: E402
+from megacompile.plan.cost_model import predict_record  # noqa: E402
+from megacompile.plan.hardware import get_profile  # noqa: E402
+
+# Every graph megatrain compiles in this run, oldest first (filled by records.recording).
+COMPILED: list = []
 
 GiB = 1024**3
 
 
 def build_llama(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     config = llama_config(args)
     torch.manual_seed(0)
@@ -309,4 +313,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recording(into=COMPILED):
+        sys.exit(main())

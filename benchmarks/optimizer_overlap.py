@@ -5,7 +5,7 @@ noisy), under ``backend="megatrain"``:
 - "no optimizer": forward + backward + ``zero_grad()``: the step without any update;
 - "synchronous": ``overlap_optimizer=False``: the fused host AdamW runs after the backward;
 - "overlapped": the default: each layer's AdamW update runs on a host worker thread as its
-  gradients land, while the backward goes on (megacompile/overlap.py).
+  gradients land, while the backward goes on (megacompile/optimizer/overlap.py).
 Exposed optimizer time = a variant's median step time minus "no optimizer"'s.
 
 On the CPU stand-in the "device" is the same CPU as the host: the device lane and the host

@@ -17,17 +17,23 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import _torch_compat as compat
-from . import eager_update_watch
-from .collector import cycle_collector_paused
-from .capture import COMPILED, CompiledGraph, TrainingCompiler, lower_with
-from .errors import PlacementError, UnsupportedGraph
-from .host_optimizer import host_step_label, take_step_out_of_trace
-from .inline_regions import inline_nested_regions
-from .node_info import source_to_name
-from .options import Options, parse_options
-from .report import RECORDER
-from .runtime import trace
+from megacompile.capture import records
+from megacompile.capture.inline_regions import inline_nested_regions
+from megacompile.capture.records import CompiledGraph
+from megacompile.capture.training_compiler import TrainingCompiler, lower_with
+from megacompile.core import torch_compat as compat
+from megacompile.core.collector import cycle_collector_paused
+from megacompile.core.errors import PlacementError, UnsupportedGraph
+from megacompile.core.node_info import source_to_name
+from megacompile.core.printer import format_graph
+from megacompile.optimizer import eager_update_watch
+from megacompile.optimizer.host_step import fused_step_for, host_step_label, take_step_out_of_trace
+from megacompile.optimizer.ownership import optimizer_of_graph
+from megacompile.options import Options, parse_options
+from megacompile.passes import GraphSnapshot
+from megacompile.report import RECORDER
+from megacompile.runtime import trace
+from megacompile.runtime.device import get_device
 
 
 def describe_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[list[str], list[str]]:
@@ -36,7 +42,8 @@ def describe_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[list[str]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, value in enumerate(example_inputs):
         source = compat.dynamo_input_source_name(placeholders[i]) if i < len(placeholders) else None
-        names.append(source_to_name(source) if source else (placeholders[i].name if i < len(placeholders) else f"input_{i}"))
+        fallback = placeholders[i].name if i < len(placeholders) else f"input_{i}"
+        names.append(source_to_name(source) if source else fallback)
         is_param = isinstance(value, torch.nn.Parameter) or (
             isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf
         )
@@ -87,19 +94,14 @@ def _host_region(gm: fx.GraphModule, example_inputs: list, options: Options) -> 
     label = "optimizer (host)" if _looks_like_optimizer(gm) else "host graph"
     record = CompiledGraph(label=label, options=options)
     record.snapshots = []
-    from .printer import format_graph
-    from megacompile.passes import GraphSnapshot
 
     record.snapshots.append(GraphSnapshot("optimizer" if "optimizer" in label else "host", "captured",
                                           format_graph(gm, f"{label}: captured (runs on the host)"), 0, 0, 0.0))
-    COMPILED.append(record)
-    from .host_optimizer import fused_step_for
+    records.add(record)
 
     fused = fused_step_for(gm) if "optimizer" in label else None
     optimizer = fused.optimizer if fused is not None else None
     if optimizer is None and "optimizer" in label:
-        from .host_optimizer import optimizer_of_graph
-
         optimizer = optimizer_of_graph(gm)
     if fused is not None:
         # Adam / AdamW: the fused, vectorized host kernel instead of the captured op chain.
@@ -151,7 +153,6 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     reason = _unsupported_reason(gm)
     if reason is not None:
         return _fallback(gm, example_inputs, opts, reason)
-    from megacompile.runtime.device import get_device
 
     device = get_device(opts.device)
     if opts.autocast_dtype is not None:
@@ -180,7 +181,6 @@ def _host_step_record(opt: torch.optim.Optimizer | None, options: Options) -> No
     """What ``inspect`` shows for an optimizer whose step() is no longer traced."""
     if opt is None:
         return
-    from megacompile.passes import GraphSnapshot
 
     params = [p for group in opt.param_groups for p in group["params"]]
     label = host_step_label(opt)
@@ -188,10 +188,10 @@ def _host_step_record(opt: torch.optim.Optimizer | None, options: Options) -> No
         f"# {label}: step() is not traced",
         f"# {len(opt.param_groups)} parameter group(s), {len(params)} parameters, "
         f"{sum(p.numel() for p in params):,} elements, updated on the host by the fused Adam kernel",
-        "# (megacompile/host_optimizer.py: fused_update); lr, betas, eps and weight_decay are read from",
+        "# (megacompile/optimizer/host_step.py: fused_update); lr, betas, eps and weight_decay are read from",
         "# param_groups at every call. Dynamo calls step() as one opaque function (a graph break), so",
         "# capturing the training step does not trace the update tensor by tensor.",
     ])
     record = CompiledGraph(label=label, options=options)
     record.snapshots = [GraphSnapshot("optimizer", "untraced", text, 0, 0, 0.0)]
-    COMPILED.append(record)
+    records.add(record)

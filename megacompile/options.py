@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any, Mapping
 
 import torch
 
-from .errors import OptionsError
+from megacompile.core.errors import OptionsError
+from megacompile.core.units import parse_bytes
+from megacompile.passes import known_pass_names, optional_pass_names
+from megacompile.plan.hardware import get_profile
 
 DEVICES = ("cuda", "cpu")
 PRECISIONS = ("fp32", "bf16")
@@ -24,45 +26,6 @@ PLAN_REPEATS = ("auto", "template", "flat")
 # Set to "1" while `megacompile inspect` runs the user's script (a script can notice it, and
 # the option `snapshots="auto"` reads it).
 INSPECT_ENV = "MEGACOMPILE_INSPECT"
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
-
-def parse_bytes(value: int | str, what: str = "memory_budget") -> int:
-    """``4096``, ``"512MiB"``, ``"1.5 GB"`` -> bytes."""
-    if isinstance(value, bool):
-        raise OptionsError(f"{what} must be an int number of bytes or a string like '8GiB', got {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise OptionsError(f"{what} must be positive, got {value}")
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-            if n > 0:
-                return n
-        raise OptionsError(
-            f"{what}={value!r} is not a size; use an int number of bytes or a string like "
-            f"'512MiB', '8GiB' or '1.5GB' (units: {', '.join(u for u in _UNITS if u)})"
-        )
-    raise OptionsError(f"{what} must be an int number of bytes or a string like '8GiB', got {type(value).__name__}")
-
-
-def format_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError  # unreachable
-
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -78,20 +41,20 @@ class Options:
     # "auto": the planner decides keep / offload / recompute per layer, only when saved
     # activations do not fit; "never": keep or offload only; "always": recompute every layer.
     recompute: str = "auto"
-    # The planner's solver (see megacompile.solvers).
+    # The planner's solver (see megacompile.plan.solvers).
     solver: str = "exact"
     # Hardware profile for the cost model: a built-in name or a calibrate JSON path; None
     # picks one for the device.
     hardware: str | None = None
     # How marked repeated layers are planned when saved activations do not fit: "template"
     # prices the candidates on short copies of the step and builds one over the full graph
-    # (megacompile/template_planner.py); "flat" builds every candidate over the full graph;
+    # (megacompile/plan/template_planner.py); "flat" builds every candidate over the full graph;
     # "auto": template from 8 chained repeated layers.
     plan_repeats: str = "auto"
     # Pass names to switch off, for bisecting (see megacompile.passes.PASS_ORDER).
     disable_passes: tuple[str, ...] = ()
     # Update each layer's parameters on a host thread as its gradients land, while the
-    # backward goes on, where that is provably the same as eager (megacompile/overlap.py).
+    # backward goes on, where that is provably the same as eager (megacompile/optimizer/overlap.py).
     # "auto": on CUDA; off on the CPU stand-in, whose device lane computes on the very host
     # cores the updates would run on (there is nothing to overlap with).
     overlap_optimizer: bool | str = "auto"
@@ -142,8 +105,6 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 def parse_options(raw: Mapping[str, Any] | None) -> Options:
-    from .passes import known_pass_names, optional_pass_names
-
     raw = dict(raw or {})
     valid = [f.name for f in dataclasses.fields(Options)]
     unknown = sorted(set(raw) - set(valid))
@@ -179,8 +140,6 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
     if "plan_repeats" in raw:
         kw["plan_repeats"] = _choice("plan_repeats", raw["plan_repeats"], PLAN_REPEATS)
     if raw.get("hardware") is not None:
-        from .hardware import get_profile
-
         try:
             get_profile(raw["hardware"])
         except ValueError as e:

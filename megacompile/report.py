@@ -11,7 +11,7 @@ import dataclasses
 import threading
 from typing import Any
 
-from .options import format_bytes
+from megacompile.core.units import format_bytes
 
 
 @dataclasses.dataclass
@@ -50,7 +50,7 @@ class StepReport:
     # Transient host copies the step makes on top (bf16: each parameter's bf16 cast until its
     # load, the bf16 gradients until their fp32 cast): the most live at once, measured.
     host_staging_peak_bytes: int = 0
-    # The host optimizer in this step's backward: megacompile.overlap.OverlapStats as a dict
+    # The host optimizer in this step's backward: megacompile.optimizer.overlap.OverlapStats as a dict
     # (overlapped, reason, updated_params, update_seconds, exposed_seconds,
     # peak_pending_grad_bytes), or None before a backward ran.
     optimizer: dict | None = None
@@ -62,12 +62,14 @@ class StepReport:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
+        measured = (format_bytes(self.measured_peak_device_bytes) if self.measured_peak_device_bytes is not None
+                    else "not measured")
         lines = [
             f"megatrain step report ({self.device}, lowering={self.lowering}, policy={self.policy})",
             f"  precision            {self.precision}",
             f"  memory budget        {format_bytes(self.memory_budget) if self.memory_budget else 'none'}",
             f"  planned peak device  {format_bytes(self.planned_peak_device_bytes)}",
-            f"  measured peak device {format_bytes(self.measured_peak_device_bytes) if self.measured_peak_device_bytes is not None else 'not measured'}",
+            f"  measured peak device {measured}",
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
@@ -86,7 +88,8 @@ class StepReport:
         if self.segments is not None and self.lowering == "inductor":
             lines.append(f"  compiled segments    {self.segments['compiled']} distinct, "
                          f"{self.segments['reused']} repeats reused them")
-        header = f"  {'layer':<28}{'params':>12}{'h2d':>12}{'d2h':>12}{'saved act':>12}{'recomp':>8}{'fwd peak':>12}{'bwd peak':>12}"
+        header = (f"  {'layer':<28}{'params':>12}{'h2d':>12}{'d2h':>12}{'saved act':>12}{'recomp':>8}"
+                  f"{'fwd peak':>12}{'bwd peak':>12}")
         lines.append(header)
         for r in self.layers:
             lines.append(
@@ -113,11 +116,8 @@ class StepRecorder:
             device.reset_stats()
             device.tracker.reset_peak()
             device.host_staging.reset_peak()
-            from . import overlap
-
-            overlap.LAST = None
             self._current = {"compiled": compiled, "device": device, "host_graphs": [], "measured": True,
-                             "optimizer": None}
+                             "optimizer": None, "overlap": None}
             self._update()
 
     def graph_finished(self, compiled=None) -> None:
@@ -131,6 +131,13 @@ class StepRecorder:
             if self._current is not None and optimizer is not None and self._current["optimizer"] is None:
                 self._current["optimizer"] = optimizer
                 self._update()
+
+    def overlap_decided(self, stats) -> None:
+        """How this step's host optimizer runs (``optimizer.overlap.OverlapStats``); taken
+        into the report when the backward finishes."""
+        with self._lock:
+            if self._current is not None:
+                self._current["overlap"] = stats
 
     def host_graph_ran(self, label: str, optimizer=None) -> None:
         self.optimizer_seen(optimizer)
@@ -148,9 +155,7 @@ class StepRecorder:
         measured = device.tracker.peak_since_reset() if compiled.measures_peak else None
         stats = copy.copy(device.stats)  # the counters as of now (later glue graphs add to them)
         stats.h2d_by_layer, stats.d2h_by_layer = dict(stats.h2d_by_layer), dict(stats.d2h_by_layer)
-        from . import overlap
-
-        overlapped = dataclasses.asdict(overlap.LAST) if overlap.LAST is not None else None
+        overlapped = dataclasses.asdict(cur["overlap"]) if cur["overlap"] is not None else None
         self._pending = dict(compiled=compiled, stats=stats, measured=measured, host_graphs=list(cur["host_graphs"]),
                              optimizer=cur["optimizer"], staging_peak=device.host_staging.peak_since_reset(),
                              overlap=overlapped)

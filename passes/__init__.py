@@ -19,11 +19,17 @@ from typing import Any
 
 import torch.fx as fx
 
-from megacompile.node_info import info
-from megacompile.printer import format_graph
-
-from . import (annotate, host_casts, invariants, offload_gradients, recompute, resident_parameters,
-               stream_parameters)
+from megacompile.core.node_info import info
+from megacompile.core.printer import format_graph
+from megacompile.passes import (
+    annotate,
+    host_casts,
+    invariants,
+    offload_gradients,
+    recompute,
+    resident_parameters,
+    stream_parameters,
+)
 
 PASS_ORDER = (annotate, host_casts, resident_parameters, recompute, stream_parameters, offload_gradients)
 
@@ -53,7 +59,7 @@ class GraphSnapshot:
 class PassContext:
     options: Any  # megacompile.options.Options
     stage: str
-    plan: Any  # megacompile.plan.TrainingPlan
+    plan: Any  # megacompile.plan.memory_estimate.TrainingPlan
     input_names: list[str]
     input_roles: list[str]
     num_user_outputs: int = 0

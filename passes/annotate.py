@@ -13,8 +13,8 @@ import copy
 
 import torch.fx as fx
 
-from megacompile import _torch_compat as compat
-from megacompile.node_info import (
+from megacompile.core import torch_compat as compat
+from megacompile.core.node_info import (
     META_KEY,
     NodeInfo,
     is_view_node,
@@ -22,7 +22,7 @@ from megacompile.node_info import (
     normalize_module_path,
     set_nbytes,
 )
-from megacompile.ops import is_memory_op
+from megacompile.core.ops import is_memory_op
 
 NAME = "annotate"
 # Whether disable_passes may switch it off (the others are what later passes stand on).

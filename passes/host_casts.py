@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from megacompile import ops
-from megacompile.node_info import identifier, info, set_nbytes
+from megacompile.core import ops
+from megacompile.core.node_info import identifier, info, set_nbytes
 
 NAME = "host_casts"
 # Whether disable_passes may switch it off (the others are what later passes stand on).

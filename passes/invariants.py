@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from megacompile import ops
-from megacompile.node_info import has_info, info
-
-from .host_casts import is_host_cast, is_host_op
+from megacompile.core import ops
+from megacompile.core.node_info import has_info, info, is_view_node
+from megacompile.passes.host_casts import is_host_cast, is_host_op
+from megacompile.passes.stream_parameters import alias_uses
 
 
 class InvariantViolation(AssertionError):
@@ -35,8 +35,6 @@ def _fail(ctx, message: str) -> None:
 
 def _reaches_output(node: fx.Node) -> bool:
     """The value (or a view of it) is handed on by the graph: a planned resident copy."""
-    from megacompile.node_info import is_view_node
-
     stack = [node]
     while stack:
         cur = stack.pop()
@@ -70,7 +68,6 @@ def check(gm: fx.GraphModule, ctx) -> None:
             if node.target is ops.load:
                 waits = [u for u in node.users if u.target is ops.wait]
                 evicts = [u for u in node.users if u.target is ops.evict]
-                from .stream_parameters import alias_uses
 
                 uses = alias_uses(node)
                 crosses = ctx.stage == "forward" and _reaches_output(node)

@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from megacompile import ops
-from megacompile.node_info import NodeInfo, identifier, info, set_nbytes
-
-from .host_casts import is_host_cast
+from megacompile.core import ops
+from megacompile.core.node_info import NodeInfo, identifier, info, set_nbytes
+from megacompile.passes.host_casts import is_host_cast
 
 NAME = "offload_gradients"
 # Whether disable_passes may switch it off (the others are what later passes stand on).
@@ -68,7 +67,8 @@ def run(gm: fx.GraphModule, ctx) -> None:
         if value in offloaded:
             outs[index] = offloaded[value]
             continue
-        label = _output_label(ctx, index) if index < ctx.num_user_outputs or ctx.stage != "forward" else f"act.{value.name}"
+        user_output = index < ctx.num_user_outputs or ctx.stage != "forward"
+        label = _output_label(ctx, index) if user_output else f"act.{value.name}"
         if cast is not None:
             label += "." + str(value.meta["val"].dtype).replace("torch.", "")
         name = identifier(label)

@@ -28,11 +28,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from megacompile import _torch_compat as compat
-from megacompile import ops
-from megacompile.node_info import info, is_view_node
-
-from .host_casts import is_host_cast
+from megacompile.core import ops
+from megacompile.core import torch_compat as compat
+from megacompile.core.node_info import info, is_view_node
+from megacompile.passes.host_casts import is_host_cast
 
 NAME = "recompute"
 # Whether disable_passes may switch it off (the others are what later passes stand on).

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from megacompile import _torch_compat as compat
-from megacompile import ops
-from megacompile.node_info import NodeInfo, identifier, info, is_view_node, set_nbytes
+from megacompile.core import ops
+from megacompile.core import torch_compat as compat
+from megacompile.core.node_info import NodeInfo, identifier, info, is_view_node, set_nbytes
 
 NAME = "resident_parameters"
 # Whether disable_passes may switch it off (the others are what later passes stand on).

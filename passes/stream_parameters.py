@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from megacompile import ops
-from megacompile.node_info import NodeInfo, identifier, info, is_tensor_node, set_nbytes
-
-from .host_casts import is_host_op
+from megacompile.core import ops
+from megacompile.core.node_info import NodeInfo, identifier, info, is_tensor_node, is_view_node, set_nbytes
+from megacompile.passes.host_casts import is_host_op
 
 NAME = "stream_parameters"
 # Whether disable_passes may switch it off (the others are what later passes stand on).
@@ -30,7 +29,7 @@ OPTIONAL = True
 STAGES = ("forward", "backward", "inference")
 
 
-def _layer_runs(compute: list[fx.Node]) -> list[tuple[str | None, int]]:
+def layer_runs(compute: list[fx.Node]) -> list[tuple[str | None, int]]:
     """Contiguous runs of compute ops of one layer: (layer, index of its first op).
 
     Glue ops (no layer) do not start a run; they belong to the run around them.
@@ -49,8 +48,6 @@ def _layer_runs(compute: list[fx.Node]) -> list[tuple[str | None, int]]:
 
 def alias_uses(value: fx.Node) -> list[fx.Node]:
     """Compute ops that read ``value`` directly or through a chain of views of it."""
-    from megacompile.node_info import is_view_node
-
     found, stack = [], [value]
     while stack:
         cur = stack.pop()
@@ -85,7 +82,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
     compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n) and not is_host_op(n)]
     position = {n: i for i, n in enumerate(compute)}
     _wait_for_resident_loads(gm, position)
-    runs = _layer_runs(compute)
+    runs = layer_runs(compute)
     run_starts = [start for _, start in runs]
 
     def run_index(pos: int) -> int:

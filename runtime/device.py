@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from torch.utils.weak import WeakIdKeyDictionary
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from . import trace
-from .tracker import ArenaTracker, CudaTracker
+from megacompile.runtime import trace
+from megacompile.runtime.tracker import ArenaTracker, CudaTracker
 
 
 @dataclasses.dataclass

@@ -24,13 +24,18 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from megacompile import _torch_compat as compat
-from megacompile import ops
-from megacompile.node_info import has_info, info
-
-from . import trace as _trace
-from .device import StreamingDevice
-from .placement import DEVICE_KERNELS, place_constant, retarget_factories, substitute_host_kernels
+from megacompile.core import ops
+from megacompile.core import torch_compat as compat
+from megacompile.core.node_info import has_info, info, is_view_node
+from megacompile.core.torch_compat import no_dispatch_modes
+from megacompile.runtime import trace as _trace
+from megacompile.runtime.device import StreamingDevice
+from megacompile.runtime.placement import (
+    DEVICE_KERNELS,
+    place_constant,
+    retarget_factories,
+    substitute_host_kernels,
+)
 
 
 @dataclasses.dataclass
@@ -85,10 +90,6 @@ _ALWAYS_DIRECT = {
 
 def _is_trivial(node: fx.Node) -> bool:
     """Views and tuple access: nothing for a compiler to fuse, so they run as they are."""
-    import operator
-
-    from megacompile.node_info import is_view_node
-
     return node.target is operator.getitem or is_view_node(node)
 
 
@@ -181,7 +182,7 @@ class StreamingProgram:
         # Sees the inputs of each call before they are consumed (the forward records which
         # parameter tensors it ran with, for the backward's overlapped optimizer updates).
         self.observe_inputs = observe_inputs
-        # Called at the start of each call: returns a megacompile.overlap.GradientLander that
+        # Called at the start of each call: returns a megacompile.optimizer.overlap.GradientLander that
         # takes over the returned gradients as they are offloaded, or None.
         self.make_lander = make_lander
         # Set to a list to record (instruction, device bytes live after it): debugging aid
@@ -395,7 +396,6 @@ class StreamingProgram:
     def _compile(self, gm: fx.GraphModule, inputs: list) -> Callable:
         # Compile outside whatever dispatch state the caller (an autograd.Function, the
         # autograd engine) runs us in: Inductor re-traces the segment with its own modes.
-        from megacompile._torch_compat import no_dispatch_modes
 
         examples = [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs]
         with no_dispatch_modes(), torch.enable_grad():

@@ -35,9 +35,9 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from megacompile import _torch_compat
-
 import torch
+
+from megacompile.core import torch_compat as _torch_compat
 
 __all__ = [
     "HostAdamStatus",
@@ -139,7 +139,7 @@ def _ensure_toolchain() -> None:
         # The pip `ninja` package installs its binary next to the interpreter's scripts,
         # which is not on PATH when a venv's python is run without activating the venv.
         try:
-            import ninja  # type: ignore[import-not-found]
+            import ninja  # type: ignore[import-not-found]  # lazy: optional, only its path is wanted
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
@@ -152,7 +152,7 @@ def _ensure_toolchain() -> None:
 
 
 def _build(portable: bool, verbose: bool) -> None:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load  # lazy: imports setuptools; only a build needs it
 
     name = _extension_name(portable)
     load(

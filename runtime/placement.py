@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
-from megacompile import ops
-from megacompile.node_info import has_info, info
+from megacompile.core import ops
+from megacompile.core.errors import MegacompileError
+from megacompile.core.node_info import has_info, info
 
 
 def _is_host_device(value, host: torch.device) -> bool:
@@ -49,8 +51,6 @@ def host_device_arguments(gm: fx.GraphModule, host: torch.device = torch.device(
 def _with_dropout_zero(node: fx.Node, index: int) -> None:
     dropout = node.args[index] if len(node.args) > index else node.kwargs.get("dropout_p", 0.0)
     if dropout:
-        from megacompile.errors import MegacompileError
-
         raise MegacompileError(
             f"megatrain: attention with dropout_p={dropout} ({node.name}) cannot run on the device yet: "
             "the step was traced on the host and its attention dropout mask cannot be replayed there. "
@@ -63,8 +63,6 @@ def device_attention_forward(query, key, value, dropout_p=0.0, is_causal=False, 
     Only the backward below reads the second result, and it does not use its values: it is
     an uninitialised buffer with the host kernel's shape, so the plan's bytes still hold.
     """
-    import torch.nn.functional as F
-
     gqa = key.size(-3) != query.size(-3)
     with torch.no_grad():
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
@@ -76,8 +74,6 @@ def device_attention_forward(query, key, value, dropout_p=0.0, is_causal=False, 
 def device_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                               attn_mask=None, scale=None):
     """Gradients of ``device_attention_forward`` for q, k, v: its forward again, differentiated."""
-    import torch.nn.functional as F
-
     gqa = key.size(-3) != query.size(-3)
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))

@@ -37,6 +37,8 @@ import threading
 import time
 from typing import Any, Iterator
 
+import torch
+
 # The active recorder, or None. Read without a lock: a reference read is atomic, and a
 # recorder that ends while a span is open still accepts the event (it is simply not written).
 _ACTIVE: "TraceRecorder | None" = None
@@ -90,8 +92,6 @@ class TraceRecorder:
         """A copy on a CUDA stream between two timing events, resolved when the trace is written."""
         with self._lock:
             if self._cuda_origin is None:
-                import torch
-
                 origin = torch.cuda.Event(enable_timing=True)
                 origin.record()
                 origin.synchronize()
@@ -102,7 +102,6 @@ class TraceRecorder:
     def _resolve_cuda_copies(self) -> None:
         if not self._cuda_copies:
             return
-        import torch
 
         torch.cuda.synchronize()
         origin, origin_ns = self._cuda_origin

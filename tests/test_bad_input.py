@@ -26,11 +26,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference_models import MLP, REFERENCE_MODELS, make_training_step
 
 import megacompile
 from megacompile.backend import check_placement
-from megacompile.options import Options, parse_bytes, parse_options
-from reference_models import MLP, REFERENCE_MODELS, make_training_step
+from megacompile.core.units import parse_bytes
+from megacompile.options import Options, parse_options
 
 CPU_EAGER = {"device": "cpu", "lowering": "eager"}
 VALID_OPTIONS = ("device", "memory_budget", "precision", "lowering", "prefetch_depth", "recompute", "disable_passes")
@@ -231,7 +232,8 @@ def test_parse_bytes_rejects(value):
 
 
 def test_parse_options_table():
-    assert parse_options(None) == parse_options({}) == Options(device="cpu" if not torch.cuda.is_available() else "cuda")
+    default_device = "cpu" if not torch.cuda.is_available() else "cuda"
+    assert parse_options(None) == parse_options({}) == Options(device=default_device)
     opts = parse_options({
         "device": "cpu", "memory_budget": "512MiB", "precision": "fp32", "lowering": "eager",
         "prefetch_depth": 0, "recompute": "always", "disable_passes": "stream_parameters",
@@ -239,8 +241,8 @@ def test_parse_options_table():
     assert opts == Options(device="cpu", memory_budget=512 * 2**20, precision="fp32", lowering="eager",
                            prefetch_depth=0, recompute="always", disable_passes=("stream_parameters",))
     assert parse_options({"device": "cpu", "memory_budget": None}).memory_budget is None
-    assert parse_options({"device": "cpu", "disable_passes": ["stream_parameters", "offload_gradients"]}).disable_passes == (
-        "stream_parameters", "offload_gradients")
+    both = ["stream_parameters", "offload_gradients"]
+    assert parse_options({"device": "cpu", "disable_passes": both}).disable_passes == tuple(both)
     assert parse_options({"device": "cpu", "prefetch_depth": 3}).prefetch_depth == 3
     for bad, _ in BAD_VALUES:
         with pytest.raises(megacompile.OptionsError):
@@ -331,7 +333,8 @@ def test_higher_order_op_warns_once_and_stays_correct():
 
 # --- the cycle collector ---------------------------------------------------------------------
 def test_the_cycle_collector_is_paused_while_compiling_and_left_as_the_user_had_it(monkeypatch):
-    from megacompile import backend, capture
+    from megacompile import backend
+    from megacompile.capture import training_compiler as capture
 
     seen_while_compiling: list[tuple[str, bool]] = []
 
@@ -356,7 +359,8 @@ def test_the_cycle_collector_is_paused_while_compiling_and_left_as_the_user_had_
                 gc.disable()
             model, opt, step, x, y = _mlp_setup(warm=False)
             assert torch.isfinite(_compiled(step)(x, y))
-            assert {name for name, _ in seen_while_compiling} == {"partition", "forward", "backward"}, seen_while_compiling
+            parts = {name for name, _ in seen_while_compiling}
+            assert parts == {"partition", "forward", "backward"}, seen_while_compiling
             assert not any(enabled for _, enabled in seen_while_compiling), seen_while_compiling
             assert gc.isenabled() is user_had_it_on
     finally:

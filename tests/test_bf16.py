@@ -18,9 +18,9 @@ import copy
 
 import pytest
 import torch
+from reference_models import MLP, REFERENCE_MODELS, make_training_step, training_state_bytes
 
 import megacompile
-from reference_models import REFERENCE_MODELS, MLP, make_training_step, training_state_bytes
 
 STEPS = 5
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
@@ -198,7 +198,7 @@ def test_report_states_host_bytes_per_param(precision):
     assert report.host_bytes_per_param == pytest.approx(16.0, abs=0.01)
     assert f"{report.host_bytes_per_param:.2f} B/param" in str(report)
     # `megacompile plan` states the same layout for this precision (a 0-d step per tensor aside).
-    from megacompile import plan_cmd
+    from megacompile.cli import plan_command as plan_cmd
 
     planned = plan_cmd.host_bytes(numel, precision)["parts"]
     assert planned == {"weights": weights, "gradients": grads, "optimizer_states": pytest.approx(states, abs=64 * 14)}
@@ -263,9 +263,10 @@ def test_bf16_cost_model_prices_bf16_bytes():
     """The cost model reads the program's bf16 loads and offloads: its predicted bytes each
     way are the bytes the step moved; it prices the host casts on the host lane; and the
     host optimizer covers the real parameter count (fp32 masters, not bf16 bytes)."""
-    from megacompile.capture import COMPILED
-    from megacompile.cost_model import predict_record
-    from megacompile.hardware import get_profile
+    from conftest import COMPILED
+
+    from megacompile.plan.cost_model import predict_record
+    from megacompile.plan.hardware import get_profile
 
     model, report = _one_step_report("bf16", memory_budget=40_000)
     record = next(r for r in reversed(COMPILED) if r.backward is not None)

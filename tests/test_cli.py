@@ -1,4 +1,4 @@
-"""Tests for the ``megacompile`` command line (megacompile/cli.py).
+"""Tests for the ``megacompile`` command line (megacompile/cli/commands.py).
 
 ``inspect`` runs in-process through ``main([...])``: a subprocess would pay torch's import
 (seconds) every time. One test runs the installed console script to check the wiring.
@@ -13,8 +13,9 @@ import sys
 import textwrap
 
 import pytest
+from conftest import COMPILED
 
-from megacompile import cli
+from megacompile.cli import commands as cli
 
 PASSES = {
     "joint": ["annotate", "host_casts", "resident_parameters", "recompute"],
@@ -209,10 +210,10 @@ def test_snapshots_are_kept_for_inspect_only(setting, monkeypatch):
     option asks. The program itself is the same either way."""
     import torch
     import torch.nn.functional as F
+    from reference_models import MLP, make_training_step
 
     import megacompile
     from megacompile.options import INSPECT_ENV
-    from reference_models import MLP, make_training_step
 
     options = {"device": "cpu", "lowering": "eager"}
     if setting in ("inspect", "off_under_inspect"):
@@ -224,13 +225,13 @@ def test_snapshots_are_kept_for_inspect_only(setting, monkeypatch):
     torch.manual_seed(0)
     step, _ = make_training_step(MLP(16, 2, 4), F.mse_loss)
     torch.compile(step, backend="megatrain", options=options)(torch.randn(4, 16), torch.randn(4, 4))
-    record = next(r for r in megacompile.capture.COMPILED if r.backward is not None)
+    record = next(r for r in COMPILED if r.backward is not None)
     stages = [(s.graph, s.stage) for s in record.snapshots]
     if setting in ("inspect", "on"):
         assert stages[0] == ("joint", "captured") and ("backward", "offload_gradients") in stages
     else:
         assert stages == []
-    assert any(n.target is megacompile.ops.load for n in record.forward.graph.nodes)
+    assert any(n.target is megacompile.core.ops.load for n in record.forward.graph.nodes)
 
 
 def test_snapshots_option_is_checked():

@@ -13,10 +13,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from megacompile import cost_model as cm
-from megacompile import ops
-from megacompile.hardware import HardwareProfile, get_profile
-from megacompile.node_info import info
+from megacompile.capture.records import recording
+from megacompile.core import ops
+from megacompile.core.node_info import info
+from megacompile.plan import cost_model as cm
+from megacompile.plan.hardware import HardwareProfile, get_profile
 
 aten = torch.ops.aten
 MS = 1e-3
@@ -342,7 +343,7 @@ def test_step_time_chains_forward_backward_and_host_optimizer():
 
 
 def test_overlapped_host_optimizer_updates_each_gradient_as_it_lands():
-    """overlap_optimizer=True models what the runtime does (megacompile/overlap.py): one host
+    """overlap_optimizer=True models what the runtime does (megacompile/optimizer/overlap.py): one host
     worker updates each returned gradient, in landing order, once its offload has landed; the
     step ends when both the backward and the worker are done."""
     fwd = Program()
@@ -383,20 +384,18 @@ def test_roofline_floor():
 # --- a real rewritten program ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mlp_program():
-    from megacompile.capture import COMPILED
     from reference_models import MLP, REFERENCE_MODELS, make_training_step
 
     torch._dynamo.reset()
-    COMPILED.clear()
     torch.manual_seed(0)
     model = MLP(depth=3)
     _, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
     step, _ = make_training_step(model, loss_fn)
     step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
     x, y = make_batch(torch.Generator().manual_seed(1))
-    step(x, y)
-    record = [r for r in COMPILED if r.backward is not None][-1]
-    COMPILED.clear()
+    with recording() as compiled:  # a module fixture runs outside the per-test recording
+        step(x, y)
+    record = [r for r in compiled if r.backward is not None][-1]
     torch._dynamo.reset()
     # The same computation in eager mode, counted by FlopCounterMode.
     with FlopCounterMode(display=False) as counter:

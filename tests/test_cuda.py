@@ -7,9 +7,10 @@ import copy
 
 import pytest
 import torch
+from conftest import COMPILED
+from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 import megacompile
-from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 pytestmark = [
     pytest.mark.cuda,
@@ -53,9 +54,8 @@ def test_cuda_parity_and_peak(name, lowering):
 def test_cuda_hugging_face_llama_with_sdpa_attention(lowering):
     # Hugging Face's default attention: the host trace holds the CPU flash kernel, which the
     # runtime replaces by the device's attention (runtime/placement.py).
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from reference_models import labels_training_step
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
@@ -179,9 +179,8 @@ def test_cuda_template_plan_of_marked_llama_layers(lowering):
     atol = 2e-5 if lowering == "eager" else 5e-5
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q.cpu(), rtol=0, atol=atol)
-    from megacompile import capture
 
-    plan = next(r for r in reversed(capture.COMPILED) if r.plan is not None and r.plan.policy != "inference").plan
+    plan = next(r for r in reversed(COMPILED) if r.plan is not None and r.plan.policy != "inference").plan
     assert plan.template is not None, plan.reason
     report = megacompile.last_report()
     assert report.measured_peak_device_bytes <= budget

@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
+from reference_models import MLP, REFERENCE_MODELS, make_training_step
 
 import megacompile
-from reference_models import MLP, REFERENCE_MODELS, make_training_step
 
 OPTIONS = {"device": "cpu", "lowering": "eager"}
 

@@ -15,9 +15,8 @@ import pathlib
 
 import pytest
 import torch
-
-from megacompile.capture import COMPILED
-from reference_models import GPT, MLP, LlamaLogits, REFERENCE_MODELS, make_training_step
+from conftest import COMPILED
+from reference_models import GPT, MLP, REFERENCE_MODELS, LlamaLogits, make_training_step
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 ACCEPT = os.environ.get("MEGACOMPILE_ACCEPT_GOLDEN") == "1"
@@ -45,7 +44,8 @@ def _compile_and_run(name: str):
     reference = copy.deepcopy(model)
     step, _ = make_training_step(model, loss_fn)
     eager_step, _ = make_training_step(reference, loss_fn)
-    step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager", "snapshots": True, **options})
+    options = {"device": "cpu", "lowering": "eager", "snapshots": True, **options}
+    step = torch.compile(step, backend="megatrain", options=options)
     x, y = make_batch(torch.Generator().manual_seed(1))
     # bf16 is compared with eager under autocast (tests/test_bf16.py says why 1e-5 holds).
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.get("precision") == "bf16"):

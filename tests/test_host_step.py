@@ -1,4 +1,4 @@
-"""The optimizer's step() taken out of Dynamo's trace (megacompile/host_optimizer.py).
+"""The optimizer's step() taken out of Dynamo's trace (megacompile/optimizer/host_step.py).
 
 Once a training graph has compiled, a stock Adam / AdamW over its parameters gets an instance
 ``step`` that Dynamo does not trace: Dynamo calls it as one opaque function and it runs the
@@ -18,11 +18,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import COMPILED
+from reference_models import MLP
 
 import megacompile
-from megacompile import capture
-from megacompile.host_optimizer import has_host_step
-from reference_models import MLP
+from megacompile.optimizer.host_step import has_host_step
 
 OPTIONS = {"device": "cpu", "lowering": "eager"}
 
@@ -69,12 +69,12 @@ def assert_same(model, reference, opt, ref_opt):
 
 def captured_optimizer_graphs() -> list:
     """Optimizer graphs Dynamo traced and handed to the backend."""
-    return [r for r in capture.COMPILED if r.snapshots and r.snapshots[0].graph == "optimizer"
+    return [r for r in COMPILED if r.snapshots and r.snapshots[0].graph == "optimizer"
             and r.snapshots[0].stage == "captured"]
 
 
 def untraced_records() -> list:
-    return [r for r in capture.COMPILED if r.snapshots and r.snapshots[0].stage == "untraced"]
+    return [r for r in COMPILED if r.snapshots and r.snapshots[0].stage == "untraced"]
 
 
 @pytest.mark.parametrize("ctor", [
@@ -102,7 +102,7 @@ def test_step_is_not_traced_and_equals_eager(ctor):
     assert record.label == f"optimizer (host, fused {type(opt).__name__})"
     assert "step() is not traced" in record.snapshots[0].text
     assert f"{sum(p.numel() for p in model.parameters()):,} elements" in record.snapshots[0].text
-    from megacompile.cli import _snapshot_header
+    from megacompile.cli.commands import _snapshot_header
 
     assert _snapshot_header(record.label, 0, record.snapshots[0]).endswith(
         "optimizer / untraced -- not traced (runs on the host as one call)")
@@ -140,7 +140,7 @@ def test_lr_scheduler_made_before_or_after_the_compile(made):
     eager = make_step(reference, ref_opt)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i, (x, y) in enumerate(batches(4)):
+        for x, y in batches(4):
             torch.testing.assert_close(compiled(x, y), eager(x, y), rtol=1e-6, atol=0)
             if sched is None:  # made after the first compiled step installed the host step
                 assert has_host_step(opt)

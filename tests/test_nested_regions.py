@@ -2,7 +2,7 @@
 
 Dynamo traces a marked layer once and calls the one body (``invoke_subgraph``) for every
 later layer; megatrain inlines each call back into the flat graph with the call site's
-module paths (``megacompile/inline_regions.py``) so parameters stream per layer and the plan
+module paths (``megacompile/capture/inline_regions.py``) so parameters stream per layer and the plan
 and report attribute every op to its own layer. Compared with eager: losses 1e-5 relative,
 parameters 1e-5 absolute, over AdamW steps under a budget that forces streaming.
 """
@@ -14,11 +14,13 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import COMPILED
+from reference_models import make_training_step, training_state_bytes
 
 import megacompile
-from megacompile import _torch_compat as compat
-from megacompile import inline_regions
-from reference_models import make_training_step, training_state_bytes
+from megacompile.capture import inline_regions
+from megacompile.core import torch_compat as compat
+
 
 def _once_per_body(partitions: list) -> bool:
     """One partition per body Dynamo traced, never one per layer: torch 2.13 inlines a
@@ -265,7 +267,7 @@ def test_repeated_layers_the_user_did_not_mark_are_found_and_traced_once(monkeyp
     model = tiny_llama(3)
     reference = copy.deepcopy(model)
     bystander = tiny_llama(2)
-    assert megacompile.repeats.find_repeats(model) == [[f"model.layers.{i}" for i in range(3)]]
+    assert megacompile.capture.repeated_layers.find_repeats(model) == [[f"model.layers.{i}" for i in range(3)]]
     assert megacompile.mark_repeated_layers(model) == [f"model.layers.{i}" for i in range(3)]
     assert megacompile.mark_repeated_layers(model) == []  # marked already
     layer_class = type(bystander.model.layers[0])
@@ -277,12 +279,13 @@ def test_repeated_layers_the_user_did_not_mark_are_found_and_traced_once(monkeyp
     # Dynamo fingerprints each call on its fast path (repeats._flatten_call).
     calls = []
     handle = model.model.layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append(megacompile.repeats._flatten_call(args, kwargs)), with_kwargs=True)
+        lambda module, args, kwargs: calls.append(megacompile.capture.repeated_layers._flatten_call(args, kwargs)),
+        with_kwargs=True)
     model(input_ids=torch.zeros(1, 4, dtype=torch.long))
     handle.remove()
     assert calls[0] is not None and "position_embeddings:tuple:2" in calls[0][0], calls
 
-    report = _llama_trains_like_eager(model, reference)
+    _llama_trains_like_eager(model, reference)
     assert _once_per_body(body_partitions)
     assert megacompile.unmark_repeated_layers(model) == [f"model.layers.{i}" for i in range(3)]
     assert all(type(layer) is layer_class for layer in model.model.layers)
@@ -292,17 +295,17 @@ def test_find_repeats_needs_the_same_class_and_shapes():
     net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 8), nn.Linear(8, 8),
                         nn.Linear(8, 8), nn.Linear(8, 8))
     # ReLU (no parameters) is no layer; Linear(4, 8) differs in shape from its neighbours.
-    assert megacompile.repeats.find_repeats(net) == [["0", "1"], ["4", "5", "6"]]
+    assert megacompile.capture.repeated_layers.find_repeats(net) == [["0", "1"], ["4", "5", "6"]]
     holder = nn.ModuleDict({"blocks": nn.ModuleList(MarkedBlock(8) for _ in range(2))})
     # MarkedBlock's class forward is a region already: found, but not marked again.
-    assert megacompile.repeats.find_repeats(holder) == [["blocks.0", "blocks.1"]]
+    assert megacompile.capture.repeated_layers.find_repeats(holder) == [["blocks.0", "blocks.1"]]
     assert megacompile.mark_repeated_layers(holder) == []
 
 
 def test_a_marked_call_is_flattened_into_leaves_and_rebuilt():
     """The marking forward hands the region a layout string and flat leaves (Dynamo's fast
     fingerprint path, no pytree flatten traced per call); the region rebuilds the same call."""
-    from megacompile.repeats import _flatten_call, _unflatten_call
+    from megacompile.capture.repeated_layers import _flatten_call, _unflatten_call
 
     h, cos, sin, ids = torch.randn(2, 3), torch.randn(3), torch.randn(3), torch.arange(3)
     kwargs = {"attention_mask": None, "position_embeddings": (cos, sin), "position_ids": ids,
@@ -347,5 +350,5 @@ class DictArgNet(MarkedNet):
 def test_a_marked_layer_with_a_non_leaf_argument_trains_like_eager():
     _two_steps_equal_eager(DictArgNet, mark=True)
     # The calls reached the backend as regions (one invoke_subgraph per layer, inlined).
-    record = next(r for r in megacompile.capture.COMPILED if r.backward is not None)
+    record = next(r for r in COMPILED if r.backward is not None)
     assert any(inline_regions.BODY_NODE in n.meta for n in record.forward.graph.nodes)

@@ -4,7 +4,7 @@
   shapes and strides, reference kernels run, and dead-code elimination keeps the
   side-effecting ``wait``/``evict`` nodes that nobody reads.
 - The forward and backward graphs of a compiled MLP training step (from
-  ``megacompile.capture.COMPILED``) keep the invariants ``passes.invariants`` documents,
+  ``COMPILED``) keep the invariants ``passes.invariants`` documents,
   and ``invariants.check`` catches hand-made corruptions of them.
 - ``disable_passes=["stream_parameters"]`` still trains correctly on the CPU stand-in.
 """
@@ -15,15 +15,15 @@ import copy
 import pytest
 import torch
 import torch.fx as fx
+from conftest import COMPILED
+from reference_models import MLP, make_training_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import megacompile
-from megacompile import ops
-from megacompile.capture import COMPILED
-from megacompile.node_info import NodeInfo, identifier, info
+from megacompile.core import ops
+from megacompile.core.node_info import NodeInfo, identifier, info
 from megacompile.passes import PassContext, invariants
 from megacompile.passes.invariants import InvariantViolation
-from reference_models import MLP, make_training_step
 
 OPS = ("load", "offload", "wait", "evict")
 

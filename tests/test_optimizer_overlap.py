@@ -16,10 +16,10 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from reference_models import GPT, MLP, make_training_step, training_state_bytes
 
 import megacompile
-from megacompile import overlap
-from reference_models import GPT, MLP, make_training_step, training_state_bytes
+from megacompile.optimizer import overlap
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5

@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
+from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 import megacompile
-from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 STEPS = 5
 

@@ -11,15 +11,14 @@ import copy
 
 import pytest
 import torch
+from conftest import COMPILED
+from reference_models import GPT, REFERENCE_MODELS, LlamaLogits, make_training_step
 
 import megacompile
-
-from megacompile.capture import COMPILED
-from megacompile.node_info import META_KEY, info
+from megacompile.core.node_info import META_KEY, info
 from megacompile.runtime import placement
-from megacompile.runtime.executor import StreamingProgram
 from megacompile.runtime.device import CpuStandInDevice
-from reference_models import GPT, LlamaLogits, REFERENCE_MODELS, make_training_step
+from megacompile.runtime.executor import StreamingProgram
 
 META = torch.device("meta")
 

@@ -14,10 +14,13 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import COMPILED
 
-from megacompile import capture, cli, plan_cmd, presets
-from megacompile.hardware import get_profile, known_profiles
-from megacompile.plan_cmd import POLICIES, RESIDENT
+from megacompile.cli import commands as cli
+from megacompile.cli import plan_command as plan_cmd
+from megacompile.cli import presets
+from megacompile.cli.plan_command import POLICIES, RESIDENT
+from megacompile.plan.hardware import get_profile, known_profiles
 
 H200 = get_profile("h200")
 
@@ -73,7 +76,7 @@ def test_meta_trace_matches_host_trace():
     compiled = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
     x = torch.randint(0, cfg["vocab_size"], (2, 32))
     compiled(x, x)
-    host = next(r for r in capture.COMPILED if r.plan is not None and r.plan.policy.startswith("keep"))
+    host = next(r for r in COMPILED if r.plan is not None and r.plan.policy.startswith("keep"))
 
     attempts = plan_cmd.trace_policies(cfg, num_layers=2, batch=2, seq_len=32)["attempts"]
     meta = attempts[RESIDENT if host.plan.resident else "keep"]
@@ -96,7 +99,7 @@ def test_megatrain_step_runs_on_meta_tensors(traces):
         loss = compiled(x, x)
     assert loss.device.type == "meta"
     assert all(p.device.type == "meta" for p in model.parameters())
-    record = next(r for r in capture.COMPILED if r.plan is not None and r.plan.policy.startswith("keep"))
+    record = next(r for r in COMPILED if r.plan is not None and r.plan.policy.startswith("keep"))
     # The planner's own choice (budget none) is the plan the trace built for that policy.
     traced = traces["two"].policies[RESIDENT if record.plan.resident else "keep"]
     assert record.plan.peak_bytes == traced.peak
@@ -104,7 +107,7 @@ def test_megatrain_step_runs_on_meta_tensors(traces):
 
 def test_meta_placement_only_exempts_meta():
     from megacompile import backend
-    from megacompile.errors import PlacementError
+    from megacompile.core.errors import PlacementError
 
     original = backend.check_placement
     with plan_cmd._meta_placement():
@@ -169,7 +172,7 @@ def test_two_layers_extrapolate_to_four(traces, policy):
 def test_mixed_plans_extrapolate_to_four(traces):
     """Mixed plans (upgraded layers first, as the solvers choose): within 5%, or a safe overestimate."""
     two, raw4 = traces["two"], traces["raw4"]
-    from megacompile.cost_model import step_time
+    from megacompile.plan.cost_model import step_time
 
     for name, layer_policy in traces["mixes"].items():
         counts = {p: sum(1 for v in layer_policy.values() if v == p) for p in POLICIES}
@@ -191,7 +194,7 @@ def test_overlapped_optimizer_extrapolates_to_four(traces, rate):
     the last landings are exposed), falls behind it, or is far behind it."""
     import dataclasses as dc
 
-    from megacompile.cost_model import step_time
+    from megacompile.plan.cost_model import step_time
 
     two_raw = plan_cmd.trace_policies(traces["config"], num_layers=2, batch=1, seq_len=64)
     profile = dc.replace(H200, host_adamw_params_per_s=rate)

@@ -16,12 +16,12 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import COMPILED
+from reference_models import make_training_step
 
 import megacompile
-import megacompile.capture as capture
-from megacompile import ops
-from megacompile.node_info import info
-from reference_models import make_training_step
+from megacompile.core import ops
+from megacompile.core.node_info import info
 
 
 class NarrowThenWide(nn.Module):
@@ -56,7 +56,7 @@ def train(budget: int | None):
     for _ in range(2):
         x, y = torch.randn(8, 64, generator=gen), torch.randn(8, 64, generator=gen)
         torch.testing.assert_close(compiled(x, y), eager_step(x, y), rtol=1e-5, atol=0)
-    record = next(r for r in reversed(capture.COMPILED) if r.plan is not None and r.plan.policy != "inference")
+    record = next(r for r in reversed(COMPILED) if r.plan is not None and r.plan.policy != "inference")
     return record, megacompile.last_report()
 
 
@@ -80,7 +80,7 @@ def test_a_stalling_load_is_prefetched_deeper_when_the_budget_allows():
 
     # The same model planned without deeper prefetch: the compute lane waits longer for
     # its loads, by the same cost model, and the deeper plan is predicted faster.
-    from megacompile._torch_compat import reset_dynamo
+    from megacompile.core.torch_compat import reset_dynamo
 
     reset_dynamo()
     default, _ = train_with_prefetch_disabled()
@@ -92,15 +92,15 @@ def test_a_stalling_load_is_prefetched_deeper_when_the_budget_allows():
 
 
 def predicted(record):
-    from megacompile.cost_model import step_time
-    from megacompile.hardware import get_profile
+    from megacompile.plan.cost_model import step_time
+    from megacompile.plan.hardware import get_profile
 
     param_bytes = sum(record.param_bytes_by_layer.values())
     return step_time(record.forward, record.backward, get_profile("h100-pcie"), optimizer_param_bytes=param_bytes)
 
 
 def train_with_prefetch_disabled():
-    import megacompile.planner as planner
+    import megacompile.plan.flat_planner as planner
 
     original = planner._load_stalls
     planner._load_stalls = lambda *a, **k: {}
@@ -114,9 +114,10 @@ def train_with_prefetch_disabled():
 def _plans_and_builds(budget: int | None, monkeypatch) -> tuple:
     """(the chosen plan, every plan built for it) for the reference MLP on an H100 PCIe
     profile under ``budget``; training equals eager."""
-    import megacompile.planner as planner
-    from megacompile._torch_compat import reset_dynamo
     from reference_models import REFERENCE_MODELS
+
+    import megacompile.plan.flat_planner as planner
+    from megacompile.core.torch_compat import reset_dynamo
 
     built = []
     plan_training = planner.plan_training
@@ -151,7 +152,7 @@ def test_deeper_prefetch_is_built_only_for_rungs_within_the_budget(monkeypatch):
     """A deeper-prefetch variant's peak is never below its rung's, so the planner builds one
     only for rungs that fit: the chosen plan is the one building every variant gives, with
     fewer builds."""
-    import megacompile.planner as planner
+    import megacompile.plan.flat_planner as planner
 
     keep_peak = _plans_and_builds(None, monkeypatch)[0].planned_peak_device_bytes
     budget = int(keep_peak * 0.6)  # a per-activation plan with deeper prefetch

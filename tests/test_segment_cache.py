@@ -5,11 +5,11 @@ import copy
 
 import pytest
 import torch
+from reference_models import labels_training_step, tiny_llama
 
 import megacompile
-from megacompile import _torch_compat as compat
+from megacompile.core import torch_compat as compat
 from megacompile.runtime.segment_cache import segment_structure
-from reference_models import labels_training_step, tiny_llama
 
 
 def _llama(layers: int):
@@ -93,8 +93,9 @@ def test_memory_estimate_holds_segment_inputs_to_the_segment_end(monkeypatch):
     lowering a value a segment reads stays live to the segment's end (the runtime frees a
     segment's inputs when it returns), so the estimate is at least the op-by-op one
     everywhere, and above it where an input's last reader is not the segment's last op."""
-    from megacompile.capture import COMPILED
-    from megacompile.plan import estimate_memory, storage_roots
+    from conftest import COMPILED
+
+    from megacompile.plan.memory_estimate import estimate_memory, storage_roots
     from megacompile.runtime import executor
 
     built: dict[str, list] = {}

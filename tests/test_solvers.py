@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from megacompile.solvers import Option, solve_exact, solve_greedy
+from megacompile.plan.solvers import Option, solve_exact, solve_greedy
 
 B = Option("keep", 0, 0.0)
 

@@ -12,12 +12,12 @@ import copy
 
 import pytest
 import torch
+from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 import megacompile
-from megacompile import _torch_compat as compat
+from megacompile.core import torch_compat as compat
 from megacompile.runtime.device import CpuStandInDevice
 from megacompile.runtime.executor import StreamingProgram
-from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_shared_traded_activations_train_like_eager(calls, fraction, trade):
     """Under budgets that recompute or offload activations, shared loads and offloads still
     train equal to eager (an activation handed over in the forward is what the backward
     reads again)."""
-    from megacompile.capture import COMPILED
+    from conftest import COMPILED
 
     torch._dynamo.reset()
     report = _train_both("gpt", {"device": "cpu", "lowering": "inductor",

@@ -1,5 +1,5 @@
-"""Repeated layers planned on short copies of the step (megacompile/template_planner.py,
-megacompile/truncate_repeats.py): the plan fits, trains like eager, is as fast as the flat
+"""Repeated layers planned on short copies of the step (megacompile/plan/template_planner.py,
+megacompile/capture/repeat_chain.py): the plan fits, trains like eager, is as fast as the flat
 planner's, and the full graph is built a few times instead of once per candidate."""
 from __future__ import annotations
 
@@ -11,13 +11,23 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import COMPILED
+from reference_models import make_training_step, training_state_bytes
 
 import megacompile
-from megacompile import _torch_compat as compat
-from megacompile import capture, inline_regions, template_planner, truncate_repeats
-from megacompile.errors import OptionsError
+from megacompile.capture import (
+    inline_regions,
+)
+from megacompile.capture import (
+    repeat_chain as truncate_repeats,
+)
+from megacompile.capture import (
+    training_compiler as capture,
+)
+from megacompile.core import torch_compat as compat
+from megacompile.core.errors import OptionsError
 from megacompile.options import parse_options
-from reference_models import make_training_step, training_state_bytes
+from megacompile.plan import template_planner
 
 
 class Block(nn.Module):
@@ -60,7 +70,7 @@ def _batch(gen):
 
 
 def _plan_of_last_compile():
-    return next(r for r in reversed(capture.COMPILED) if r.plan is not None and r.plan.policy != "inference").plan
+    return next(r for r in reversed(COMPILED) if r.plan is not None and r.plan.policy != "inference").plan
 
 
 @functools.lru_cache(maxsize=None)

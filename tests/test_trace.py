@@ -11,12 +11,12 @@ import threading
 
 import pytest
 import torch
+from conftest import COMPILED
+from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 import megacompile
-from megacompile import ops
-from megacompile.capture import COMPILED
+from megacompile.core import ops
 from megacompile.runtime import trace
-from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 INSTRUCTION_LANES = {"compute", "h2d", "d2h", "wait", "evict"}
 

@@ -17,10 +17,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import COMPILED
+from reference_models import GPT, MLP, training_state_bytes
 
 import megacompile
-import megacompile.capture
-from reference_models import GPT, MLP, training_state_bytes
+import megacompile.capture.training_compiler
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
@@ -82,11 +83,11 @@ def assert_params_close(model, reference, atol: float = PARAM_ATOL):
 
 def training_graphs() -> list:
     """Forward+loss graphs compiled through AOTAutograd with our partitioner."""
-    return [c for c in megacompile.capture.COMPILED if c.backward is not None]
+    return [c for c in COMPILED if c.backward is not None]
 
 
 def host_graphs() -> list:
-    return [c for c in megacompile.capture.COMPILED if c.label.startswith("optimizer (host") or c.label == "host graph"]
+    return [c for c in COMPILED if c.label.startswith("optimizer (host") or c.label == "host graph"]
 
 
 def compilations() -> tuple[int, int, int]:

@@ -22,7 +22,7 @@ import operator
 
 import torch.fx as fx
 
-from . import _torch_compat as compat
+from megacompile.core import torch_compat as compat
 
 
 @dataclasses.dataclass

@@ -53,17 +53,37 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import logging
 import math
 import re
 import sys
 import time
+import types
+import warnings
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
-from .hardware import HardwareProfile, get_profile, known_profiles
-from .options import OptionsError, format_bytes, parse_bytes
-from .presets import build_transformers_config, count_parameters, known_presets, load_model_config
+from megacompile import backend
+from megacompile.cli.presets import (
+    build_transformers_config,
+    count_parameters,
+    known_presets,
+    load_model_config,
+)
+from megacompile.core import ops
+from megacompile.core import torch_compat as compat
+from megacompile.core.errors import OptionsError, PlacementError
+from megacompile.core.node_info import has_info, info, layer_of_module_path
+from megacompile.core.units import format_bytes, parse_bytes
+from megacompile.plan import cost_model
+from megacompile.plan import flat_planner as planner
+from megacompile.plan import memory_estimate as plan_mod
+from megacompile.plan.cost_model import COST_KEY, device_flops, roofline_floor
+from megacompile.plan.hardware import HardwareProfile, get_profile, known_profiles
+from megacompile.plan.memory_estimate import storage_root
+from megacompile.plan.training_plan import TrainingPlan
 
 POLICIES = ("keep", "offload", "recompute")
 # The planner's first rung, all or nothing: keep every activation, and keep the parameters both
@@ -116,7 +136,7 @@ def _host_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     front end does on the CPU for a training step (no cache, no dropout): grouped KV heads
     repeated (Hugging Face's ``repeat_kv``), a boolean mask made additive, flash kernel.
     """
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward  # lazy: optional dependency
 
     if query.device.type != "meta":
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -137,8 +157,8 @@ def _host_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=N
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
+    from transformers import AttentionInterface, AttentionMaskInterface  # lazy: optional dependency
+    from transformers.masking_utils import sdpa_mask  # lazy: optional dependency
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, _host_sdpa)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
@@ -147,7 +167,6 @@ def _register_attention() -> None:
 def host_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``F.cross_entropy(logits.float(), labels)`` (mean, ignore_index -100) in the ops the host
     trace decomposes it into; unlike ``F.cross_entropy`` it keeps its gradient on meta tensors."""
-    import torch.nn.functional as F
 
     flat = logits.reshape(-1, logits.size(-1)).float()
     return torch.ops.aten.nll_loss_forward(F.log_softmax(flat, -1), labels.reshape(-1), None, 1, -100)[0]
@@ -155,7 +174,7 @@ def host_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 def build_model(config: dict, num_layers: int, precision: str = "fp32", device: str = "meta"):
     """The Hugging Face causal LM of ``config`` with ``num_layers`` decoder layers (on meta: no memory)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: optional dependency
 
     _register_attention()
     cfg = dict(config)
@@ -194,8 +213,6 @@ def _meta_placement():
     (``value.device.type not in ("cpu", "meta")``); until it lands, meta tensors are filtered
     out before the original check runs. Nothing is patched if the check already accepts them.
     """
-    from . import backend
-    from .errors import PlacementError
 
     original = backend.check_placement
     probe = torch.nn.Parameter(torch.empty(1, device="meta"))
@@ -221,7 +238,6 @@ def _meta_placement():
 
 
 def _reset_dynamo() -> None:
-    from . import _torch_compat as compat
 
     reset = getattr(compat, "reset_dynamo", None)
     if reset is not None:
@@ -249,8 +265,6 @@ def _capture_policies(out: dict, extra_plans: dict | None = None, pairs: bool = 
     ``keep_suffices(attempts, layers)``: when it says True, only keep (and resident) are built:
     the other policies matter only when keeping every activation does not fit.
     """
-    from . import planner
-    from .plan import TrainingPlan
 
     original = planner.plan_training
 
@@ -380,13 +394,11 @@ class Trace:
 
 
 def _layer_of(node) -> str | None:
-    from .node_info import has_info, info
 
     return info(node).layer if has_info(node) else None
 
 
 def _is_compute(node) -> bool:
-    from .node_info import has_info, info
 
     return node.op == "call_function" and has_info(node) and info(node).role == "compute"
 
@@ -433,7 +445,6 @@ def _span(gm, timeline, start: int, stop: int) -> float:
 
 
 def _compute_busy(gm, start: int, stop: int) -> float:
-    from .cost_model import COST_KEY
 
     nodes = list(gm.graph.nodes)[start:stop]
     return sum(n.meta[COST_KEY].time_s for n in nodes
@@ -442,7 +453,6 @@ def _compute_busy(gm, start: int, stop: int) -> float:
 
 def _curves(attempt) -> tuple[list, list]:
     """(node name, live device bytes) at each node of the forward and the backward, as the plan counts them."""
-    from . import plan as plan_mod
 
     fw: list = []
     bw: list = []
@@ -456,7 +466,6 @@ def _curves(attempt) -> tuple[list, list]:
 
 def _storage_root(node, memo: dict):
     """The node whose storage ``node`` views, as plan.estimate_memory sees it."""
-    from .plan import storage_root
 
     return storage_root(node, memo)
 
@@ -468,7 +477,6 @@ def _saved_device_bytes_by_layer(attempt) -> dict:
     output) has no bytes of its own but keeps its base alive, so the base's bytes count, once,
     for the layer that produced the base. Values the plan offloads are on the host.
     """
-    from .node_info import has_info, info
 
     memo: dict = {}
     roots: dict = {}
@@ -488,8 +496,6 @@ def _saved_device_bytes_by_layer(attempt) -> dict:
 
 def _resident_bytes_by_layer(attempt) -> dict:
     """Bytes of the parameters each layer keeps resident on the device for the whole step."""
-    from . import ops
-    from .node_info import has_info, info
 
     out: dict = {}
     for node in attempt.forward.graph.nodes:
@@ -501,7 +507,6 @@ def _resident_bytes_by_layer(attempt) -> dict:
 
 
 def _sum_by_layer(gm, attr: str, where: Callable | None = None) -> dict:
-    from .cost_model import COST_KEY
 
     out: dict = {}
     for node in gm.graph.nodes:
@@ -536,7 +541,6 @@ def _optimizer_landing_seconds(attempt, pred, profile: HardwareProfile, synchron
     first gradient lands; and the tail, how long the worker runs past the backward's end when
     it updates this program's own gradients as they land (the last landings: the embedding,
     the last tensors of the first layer)."""
-    from . import cost_model
 
     if synchronous or pred.backward is None:
         return {"overlapped": False, "first_landing_s": 0.0, "tail_seconds": 0.0}
@@ -556,8 +560,6 @@ def _optimizer_landing_seconds(attempt, pred, profile: HardwareProfile, synchron
 
 def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len: int, precision: str,
             num_params_full: int) -> Trace:
-    from . import cost_model
-    from .node_info import has_info, info, layer_of_module_path
 
     attempts = raw["attempts"]
     decoder = [layer for layer in raw["layers"] if _DECODER_LAYER.search(layer)]
@@ -640,8 +642,10 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
             backward_s = b_busy + (one["backward_h2d_bytes"] / profile.h2d_bandwidth
                                    + one["backward_d2h_bytes"] / profile.d2h_bandwidth)
         else:
-            f_link = max(one["forward_h2d_bytes"] / profile.h2d_bandwidth, one["forward_d2h_bytes"] / profile.d2h_bandwidth)
-            b_link = max(one["backward_h2d_bytes"] / profile.h2d_bandwidth, one["backward_d2h_bytes"] / profile.d2h_bandwidth)
+            f_link = max(one["forward_h2d_bytes"] / profile.h2d_bandwidth,
+                         one["forward_d2h_bytes"] / profile.d2h_bandwidth)
+            b_link = max(one["backward_h2d_bytes"] / profile.h2d_bandwidth,
+                         one["backward_d2h_bytes"] / profile.d2h_bandwidth)
             device_s = max(f_span, f_link) + max(b_span, b_link)
             backward_s = max(b_span, b_link)
         flops = one["forward_flops"] + one["backward_flops"]
@@ -708,7 +712,8 @@ def _uniform_peak_at_depth(attempt, layers: list, num_layers: int) -> int:
                         decoder)
     s = _saved_device_bytes_by_layer(attempt).get(decoder[0], 0)
     layer_base = max(pt[2] - j * s for j, pt in enumerate(parts["layers"], start=1))
-    return max(parts["early"][2], layer_base + (num_layers - 1) * s, parts["head"][2] - len(decoder) * s + num_layers * s)
+    return max(parts["early"][2], layer_base + (num_layers - 1) * s,
+               parts["head"][2] - len(decoder) * s + num_layers * s)
 
 
 _TRACE_CACHE: "collections.OrderedDict[tuple, Trace]" = collections.OrderedDict()
@@ -914,7 +919,7 @@ def evaluate(trace: Trace, counts: dict) -> DepthPlan:
 def optimizer_exposed_seconds(host_optimizer: dict, backward_s: float) -> float:
     """The host optimizer's time not hidden by the device work, at full depth.
 
-    After the backward (synchronous): all of it. Overlapped (megacompile/overlap.py): one worker
+    After the backward (synchronous): all of it. Overlapped (megacompile/optimizer/overlap.py): one worker
     updates each gradient once it lands. Where it keeps up with the landings, what is left at
     the backward's end is the traced program's tail (the last landings), whatever the depth;
     where it falls behind, it is busy from the first landing on and the backward hides only
@@ -1019,7 +1024,6 @@ def _interpolated(traces: dict, x: float):
     is seq x seq) and of degree 1 in the batch, and so are the peaks as long as they stay at
     the same op; three probes pin a quadratic down.
     """
-    import types
 
     xs = sorted(traces)
 
@@ -1055,7 +1059,8 @@ class SearchResult:
 
 
 def search_largest(axis: str, fits_at: Callable[[int], bool], traces: dict, *, start: int, step: int,
-                   lo_limit: int, hi_limit: int, predict_fits: Callable[[Any], bool], max_probes: int = 5) -> SearchResult:
+                   lo_limit: int, hi_limit: int, predict_fits: Callable[[Any], bool],
+                   max_probes: int = 5) -> SearchResult:
     """The largest value of ``axis`` (on a grid of ``step``) at which the plan fits.
 
     ``fits_at(x)`` plans k layers at x on the meta device (a probe, cached in ``traces``);
@@ -1262,7 +1267,8 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
             suggestions.append({
                 "change": "budget", "value": need,
                 "message": f"a device budget of at least {format_bytes(need)} ({need} bytes)"
-                           + (f", more than the {profile.name}'s {format_bytes(profile.hbm_bytes)}" if over_hbm else ""),
+                           + (f", more than the {profile.name}'s {format_bytes(profile.hbm_bytes)}"
+                              if over_hbm else ""),
             })
         if search:
             if batch > 1:
@@ -1300,7 +1306,6 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
                                f"({config['max_position_embeddings']})")
 
     # Time, bytes and FLOPs of the plan shown.
-    from .cost_model import device_flops, roofline_floor
 
     plan = shown
     step_s = plan.step_s
@@ -1400,7 +1405,8 @@ def _seconds(s: float | None) -> str:
 
 
 def format_text(r: dict) -> str:
-    m, hw, st, dev, host, tr, tm = (r[key] for key in ("model", "hardware", "step", "device", "host", "transfers", "time"))
+    m, hw, st, dev, host, tr, tm = (r[key] for key in
+                                    ("model", "hardware", "step", "device", "host", "transfers", "time"))
     gib = format_bytes
     ok = lambda flag: "fits" if flag else "DOES NOT FIT"  # noqa: E731
     ext = dev["extrapolation"]
@@ -1490,14 +1496,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-multiple", type=int, default=128, metavar="N",
                         help="sequence lengths searched are multiples of N (default: 128)")
     parser.add_argument("--traced-layers", type=int, default=DEFAULT_TRACED_LAYERS, metavar="K",
-                        help=f"decoder layers traced and planned before extrapolating (default: {DEFAULT_TRACED_LAYERS})")
+                        help="decoder layers traced and planned before extrapolating "
+                             f"(default: {DEFAULT_TRACED_LAYERS})")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def _quiet():
     """Keep tracing noise (PyTorch warnings and log lines) off the terminal."""
-    import logging
-    import warnings
 
     stack = contextlib.ExitStack()
     stack.enter_context(warnings.catch_warnings())

@@ -226,7 +226,7 @@ def build_transformers_config(config_dict: dict[str, Any]):
     transformers is imported here rather than at module level: it is a test/optional
     dependency and slow to import, and nothing else in this module needs it.
     """
-    import transformers
+    import transformers  # lazy: an optional dependency (pip install ".[hf]")
 
     rest = dict(config_dict)
     model_type = rest.pop("model_type", None)
@@ -239,4 +239,5 @@ def build_transformers_config(config_dict: dict[str, Any]):
     try:
         return transformers.AutoConfig.for_model(model_type, **rest)
     except ValueError as e:
-        raise ValueError(f"transformers {transformers.__version__} cannot build a config for {model_type!r}: {e}") from e
+        raise ValueError(f"transformers {transformers.__version__} cannot build a config for "
+                         f"{model_type!r}: {e}") from e

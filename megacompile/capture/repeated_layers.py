@@ -3,7 +3,7 @@
 A transformer's decoder layers are one module class applied N times to parameters of the same
 shapes. Marked with ``torch.compiler.nested_compile_region``, Dynamo traces the layer's body
 once and calls it per layer, and AOTAutograd partitions it once (megatrain then inlines the
-calls, megacompile/inline_regions.py): compile time grows at about half the rate per layer
+calls, megacompile/capture/inline_regions.py): compile time grows at about half the rate per layer
 (benchmarks/compile_time.py, table (c)). Most users do not mark their layers, and the classes
 come from libraries (transformers), so this module finds them:
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import _torch_compat as compat
+from megacompile.core import torch_compat as compat
 
 # The attribute of a marking subclass that names the class it was made from.
 _MARK = "_megacompile_repeat_region_of"

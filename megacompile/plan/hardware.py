@@ -127,7 +127,8 @@ _BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         hbm_bytes=141 * GiB, hbm_bandwidth=4.8 * TB,
         h2d_bandwidth=_PCIE_GEN5, d2h_bandwidth=_PCIE_GEN5,
         **_HOST_DDR5_2S,
-        source="NVIDIA H200 datasheet (dense, same compute as H100 SXM); PCIe Gen5 x16 achievable ~50 GB/s; host values assumed",
+        source="NVIDIA H200 datasheet (dense, same compute as H100 SXM); PCIe Gen5 x16 achievable ~50 GB/s; "
+               "host values assumed",
     ),
     "gh200": dict(
         description="NVIDIA GH200 Grace Hopper, 96GB HBM3, NVLink-C2C to a 72-core Grace CPU with LPDDR5X",
@@ -137,7 +138,8 @@ _BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         # cudaMemcpy measurements land around 375-420 GB/s.
         h2d_bandwidth=400 * GB, d2h_bandwidth=400 * GB,
         host_memory_bandwidth=500 * GB, host_cores=72, host_memory_bytes=480 * GiB,
-        source="NVIDIA GH200 datasheet (dense; NVLink-C2C 450 GB/s/dir peak, ~400 achievable assumed); Grace 72 cores, LPDDR5X ~500 GB/s",
+        source="NVIDIA GH200 datasheet (dense; NVLink-C2C 450 GB/s/dir peak, ~400 achievable assumed); "
+               "Grace 72 cores, LPDDR5X ~500 GB/s",
     ),
     "a100-80gb": dict(
         description="NVIDIA A100 SXM4 80GB (HBM2e), PCIe Gen4 x16 host, 2-socket DDR4 server",
@@ -155,7 +157,8 @@ _BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         hbm_bytes=24 * GiB, hbm_bandwidth=1.008 * TB,
         h2d_bandwidth=_PCIE_GEN4, d2h_bandwidth=_PCIE_GEN4,
         **_HOST_DESKTOP_DDR5,
-        source="NVIDIA Ada (AD102) whitepaper, bf16 with fp32 accumulate, dense; PCIe Gen4 ~25 GB/s; host values assumed (desktop)",
+        source="NVIDIA Ada (AD102) whitepaper, bf16 with fp32 accumulate, dense; PCIe Gen4 ~25 GB/s; "
+               "host values assumed (desktop)",
     ),
     "rtx-3090": dict(
         description="NVIDIA GeForce RTX 3090 24GB (GDDR6X), PCIe Gen4 x16, desktop DDR4 host",
@@ -163,14 +166,16 @@ _BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         hbm_bytes=24 * GiB, hbm_bandwidth=936 * GB,
         h2d_bandwidth=_PCIE_GEN4, d2h_bandwidth=_PCIE_GEN4,
         **_HOST_DESKTOP_DDR4,
-        source="NVIDIA Ampere (GA102) whitepaper, bf16 with fp32 accumulate, dense; PCIe Gen4 ~25 GB/s; host values assumed (desktop)",
+        source="NVIDIA Ampere (GA102) whitepaper, bf16 with fp32 accumulate, dense; PCIe Gen4 ~25 GB/s; "
+               "host values assumed (desktop)",
     ),
     # The CPU stand-in lets the whole pipeline run without a GPU: the "device" is the
     # host CPU, "HBM" is a memory budget the planner pretends is device memory, and
     # the "link" is a memcpy between two host buffers. These defaults are rough
     # numbers for a small cloud VM; `megacompile calibrate` on the machine replaces them.
     "cpu-standin": dict(
-        description="CPU stand-in: the host CPU plays the device; 'device memory' is an 8 GiB budget, the link is host memcpy",
+        description="CPU stand-in: the host CPU plays the device; 'device memory' is an 8 GiB budget, "
+                    "the link is host memcpy",
         device_flops_fp32=100e9, device_flops_bf16=50e9,
         hbm_bytes=8 * GiB, hbm_bandwidth=12 * GB,
         h2d_bandwidth=6 * GB, d2h_bandwidth=6 * GB,

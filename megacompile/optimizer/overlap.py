@@ -43,7 +43,12 @@ from typing import Any
 
 import torch
 
-from . import _torch_compat as compat
+import megacompile.runtime
+from megacompile.core import torch_compat as compat
+from megacompile.optimizer.host_step import has_host_step
+from megacompile.optimizer.ownership import fused_kernel_runs
+from megacompile.runtime import trace
+from megacompile.runtime.host_adam import fused_adam_step, host_adam_available
 
 # Instructions that only shuffle the value stack or mark positions: what Dynamo's rewritten
 # frame does between the ``backward()`` call and the call of its resume function.
@@ -144,7 +149,7 @@ def _continuation(frame) -> tuple[list[_Instr], _Namespace] | str:
     body = _instructions(resume_code, 0)
     # Its prologue restores the value stack (backward()'s result) and jumps to the user's
     # next instruction.
-    for k, ins in enumerate(body):
+    for ins in body:
         if ins.op in ("JUMP_FORWARD", "JUMP_ABSOLUTE", "JUMP_BACKWARD"):
             target = ins.arg
             rest = [i for i in body if i.offset >= target]
@@ -238,25 +243,22 @@ def read_step_pattern(frame) -> tuple[torch.optim.Optimizer | None, str]:
 
 def _user_frame():
     """The frame that called ``backward()``: the first one outside torch and megacompile."""
-    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in _internal_modules())
+    skip = _internal_directories()
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
     return frame
 
 
-def _internal_modules():
-    import megacompile
-    import megacompile.runtime
-
-    return (torch, megacompile, megacompile.runtime)
+def _internal_directories() -> tuple[str, ...]:
+    # megacompile/ (this file's grandparent) and runtime/, which a checkout installs apart.
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return tuple(os.path.dirname(os.path.abspath(path)) + os.sep
+                 for path in (torch.__file__, os.path.join(package, "__init__.py"), megacompile.runtime.__file__))
 
 
 def _optimizer_ready(opt: torch.optim.Optimizer, params: dict[int, torch.Tensor]) -> str | None:
-    from .host_optimizer import _supported, has_host_step
-    from .runtime.host_adam import host_adam_available
-
-    if not _supported(opt):
+    if not fused_kernel_runs(opt):
         return f"{type(opt).__name__} is not run by the fused host kernel (stock Adam / AdamW only)"
     if not host_adam_available():
         return "the fused host Adam kernel is not available"
@@ -384,9 +386,6 @@ class GradientLander:
         self._futures.append(_pool().submit(self._update, work, layer))
 
     def _update(self, work, layer) -> None:
-        from .runtime import trace
-        from .runtime.host_adam import fused_adam_step
-
         start = time.perf_counter()
         nbytes = 0
         n = sum(len(items) for items, _ in work)
@@ -422,15 +421,6 @@ class GradientLander:
         for p in self.params.values():
             if p.grad is not None:
                 p.grad = None
-
-
-# The last backward's decision, for the step report.
-LAST: OverlapStats | None = None
-
-
-def record(stats: OverlapStats) -> None:
-    global LAST
-    LAST = stats
 
 
 class ParamInputs:

@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from megacompile.hardware import GiB, HardwareProfile, get_profile, profile_to_json
+from megacompile.plan.hardware import GiB, HardwareProfile, get_profile, profile_to_json
 
 MiB = 1024**2
 

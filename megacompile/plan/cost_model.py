@@ -31,11 +31,11 @@ import torch
 import torch.fx as fx
 from torch.utils import flop_counter as _fc
 
-from . import _torch_compat as compat
-from . import ops
-from ._torch_compat import int_hint
-from .hardware import ADAMW_BYTES_PER_PARAM, HardwareProfile
-from .node_info import has_info, info, is_view_node
+from megacompile.core import ops
+from megacompile.core import torch_compat as compat
+from megacompile.core.node_info import has_info, info, is_view_node
+from megacompile.core.torch_compat import int_hint
+from megacompile.plan.hardware import ADAMW_BYTES_PER_PARAM, HardwareProfile
 
 COST_KEY = "megatrain_cost"
 
@@ -556,7 +556,7 @@ def step_time(forward_gm: fx.GraphModule, backward_gm: fx.GraphModule | None, pr
 
     The optimizer updates ``optimizer_param_bytes / bytes-per-param`` parameters at
     ``profile.estimated_host_adamw_params_per_s()``. Synchronous (``overlap_optimizer=False``):
-    after the backward has finished. Overlapped, as the runtime does it (megacompile/overlap.py):
+    after the backward has finished. Overlapped, as the runtime does it (megacompile/optimizer/overlap.py):
     each gradient's update runs on one host worker, in landing order, as soon as its offload
     has landed (``optimizer_landings``); the step ends when both the backward and the worker
     are done.

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import _torch_compat as compat
-from .node_info import has_info, info
+from megacompile.core import torch_compat as compat
+from megacompile.core.node_info import has_info, info
 
 _DTYPE = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",

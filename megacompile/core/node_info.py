@@ -32,7 +32,14 @@ import sympy
 import torch
 import torch.fx as fx
 
+from megacompile.core.torch_compat import OpOverload, int_hint
+
 META_KEY = "megatrain"
+
+# node.meta key on every inlined copy: (the body's attribute name, the body node's name). The
+# copies of one body node in every layer share it, which is how a decision made for one
+# layer of a template (``plan/template_planner.py``) names the same value in every other layer.
+BODY_NODE = "megatrain_body_node"
 
 
 @dataclasses.dataclass
@@ -84,8 +91,6 @@ def tensor_nbytes(val: Any) -> Any:
 
 def tensor_nbytes_hint(val: Any) -> int:
     """Bytes of a (fake) tensor or tuple at the sizes of the example it was traced with."""
-    from ._torch_compat import int_hint
-
     if isinstance(val, torch.Tensor):
         return int_hint(val.numel()) * val.element_size()
     if isinstance(val, (tuple, list)):
@@ -184,6 +189,4 @@ def identifier(name: str) -> str:
 
 
 def _compat_op_overload():
-    from ._torch_compat import OpOverload
-
     return OpOverload

@@ -15,49 +15,18 @@ state) keeps the captured graph.
 """
 from __future__ import annotations
 
-import gc
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
-
-def optimizer_of(tensors: dict[int, torch.Tensor]) -> torch.optim.Optimizer | None:
-    """The one live optimizer holding any of ``tensors`` (by id), or None (none, or two)."""
-    found = None
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.optim.Optimizer):  # type(): no __class__ properties run
-            params = [p for group in obj.param_groups for p in group["params"]]
-            if params and any(id(p) in tensors for p in params):
-                if found is not None and found is not obj:
-                    return None  # two optimizers share these tensors: do not guess
-                found = obj
-    return found
-
-
-def _supported(opt: torch.optim.Optimizer, devices: tuple[str, ...] = ("cpu",)) -> bool:
-    """The fused kernel runs ``opt``'s update: a stock Adam / AdamW without amsgrad,
-    capturable or differentiable, over contiguous fp32 parameters on ``devices``."""
-    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
-        return False
-    for group in opt.param_groups:
-        if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
-            return False
-        for p in group["params"]:
-            if p.dtype != torch.float32 or p.device.type not in devices or not p.is_contiguous():
-                return False
-    return True
-
-
-def optimizer_of_graph(gm: fx.GraphModule) -> torch.optim.Optimizer | None:
-    """The live optimizer whose parameters or state a captured host graph holds, if one."""
-    attrs = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = getattr(gm, node.target, None)
-            if isinstance(value, torch.Tensor):
-                attrs[id(value)] = value
-    return optimizer_of(attrs) if attrs else None
+from megacompile.core import torch_compat as compat
+from megacompile.optimizer import eager_update_watch
+from megacompile.optimizer.ownership import fused_kernel_runs, optimizer_of, optimizer_of_graph
+from megacompile.report import RECORDER
+from megacompile.runtime import trace
+from megacompile.runtime.host_adam import fused_adam_step, host_adam_available
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -76,7 +45,7 @@ def _init_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
 
 
 def fused_update(opt: torch.optim.Optimizer) -> None:
-    """One step of a supported Adam / AdamW (``_supported``) with the fused host kernel, group
+    """One step of a supported Adam / AdamW (``fused_kernel_runs``) with the fused host kernel, group
     by group, over the parameters that have a gradient, as ``opt.step()`` does.
 
     Hyperparameters are read from ``param_groups`` now, so a scheduler's change applies. A
@@ -84,8 +53,6 @@ def fused_update(opt: torch.optim.Optimizer) -> None:
     plan traced without memory) there are no values to update: the state is created and the
     step counters advance, nothing else.
     """
-    from megacompile.runtime.host_adam import fused_adam_step
-
     decoupled_default = isinstance(opt, torch.optim.AdamW)
     for group in opt.param_groups:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -122,9 +89,8 @@ def fused_step_for(gm: fx.GraphModule) -> Callable[..., Any] | None:
     if output.args[0] not in ((), [], None):
         return None
     opt = optimizer_of_graph(gm)
-    if opt is None or not _supported(opt):
+    if opt is None or not fused_kernel_runs(opt):
         return None
-    from megacompile.runtime.host_adam import host_adam_available
 
     if not host_adam_available():
         return None
@@ -166,10 +132,7 @@ def host_step_label(opt: torch.optim.Optimizer) -> str:
 
 
 def _step_can_leave_the_trace(opt: torch.optim.Optimizer) -> bool:
-    from . import _torch_compat as compat
-    from megacompile.runtime.host_adam import host_adam_available
-
-    if not (_supported(opt, _HOST_STEP_DEVICES) and compat.step_is_stock(opt)
+    if not (fused_kernel_runs(opt, _HOST_STEP_DEVICES) and compat.step_is_stock(opt)
             and not compat.optimizer_has_step_hooks(opt)):
         return False
     # Meta parameters need no kernel (and loading it takes seconds: not for `megacompile plan`).
@@ -180,12 +143,8 @@ def _step_can_leave_the_trace(opt: torch.optim.Optimizer) -> bool:
 def take_step_out_of_trace(params: dict[int, torch.Tensor]) -> torch.optim.Optimizer | None:
     """Give the one optimizer of ``params`` (by id) a ``step`` Dynamo does not trace, which
     runs the fused host kernel; returns that optimizer, or None where nothing was changed:
-    no optimizer, two, one the kernel does not run (``_supported``), a ``step`` the user
+    no optimizer, two, one the kernel does not run (``fused_kernel_runs``), a ``step`` the user
     overrode, step hooks, or no kernel. Done once per optimizer."""
-    import weakref
-
-    from . import _torch_compat as compat
-
     opt = optimizer_of(params)
     if opt is None or has_host_step(opt) or not _step_can_leave_the_trace(opt):
         return None
@@ -200,7 +159,7 @@ def take_step_out_of_trace(params: dict[int, torch.Tensor]) -> torch.optim.Optim
     def step(closure=None):
         me = opt_ref()
         compat.note_optimizer_step_called(me)
-        if closure is not None or compat.optimizer_has_step_hooks(me) or not _supported(me, _HOST_STEP_DEVICES):
+        if closure is not None or compat.optimizer_has_step_hooks(me) or not fused_kernel_runs(me, _HOST_STEP_DEVICES):
             # What the kernel does not do (a closure, hooks, a setting changed since): the
             # stock step, run eagerly, as Dynamo runs a step it cannot capture.
             return type(me).step(me, closure)
@@ -213,10 +172,6 @@ def take_step_out_of_trace(params: dict[int, torch.Tensor]) -> torch.optim.Optim
 
 
 def _run_host_step(opt: torch.optim.Optimizer, label: str) -> None:
-    from . import eager_update_watch
-    from .report import RECORDER
-    from .runtime import trace
-
     with trace.span("host optimizer", label):
         fused_update(opt)
     eager_update_watch.host_step_ran()

@@ -6,7 +6,7 @@ in ``BackendCompilerFailed``.
 """
 from __future__ import annotations
 
-from . import _torch_compat
+from megacompile.core import torch_compat as _torch_compat
 
 _PassThrough = _torch_compat.passthrough_exception_base()
 

@@ -10,143 +10,41 @@ which lower them to ``StreamingProgram``s.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import warnings
 import weakref
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 
+from megacompile.capture import inline_regions, records
+from megacompile.capture.records import CompiledGraph
+from megacompile.capture.repeat_chain import find_repeat_chain, truncated_joint
+from megacompile.core import torch_compat as compat
+from megacompile.core.collector import cycle_collector_paused
+from megacompile.core.errors import BudgetError
+from megacompile.core.node_info import info, layer_of_module_path
+from megacompile.core.units import format_bytes
+from megacompile.optimizer import overlap
+from megacompile.optimizer.eager_update_watch import EagerUpdateWatch
+from megacompile.optimizer.overlap import ParamInputs
+from megacompile.options import Options
 from megacompile.passes import PassContext, run_passes
-
-from . import _torch_compat as compat
-from .errors import BudgetError
-from . import inline_regions
-from .collector import cycle_collector_paused
-from .node_info import info
-from .options import Options, format_bytes
-from .plan import TrainingPlan, allocation_granularity, estimate_memory, storage_roots
-from .report import RECORDER, LayerRow, StepReport
+from megacompile.passes.resident_parameters import used_in_both_phases
+from megacompile.plan import flat_planner, template_planner
+from megacompile.plan.cost_model import optimizer_param_bytes, remember_flops, step_time
+from megacompile.plan.flat_planner import Attempt, PlanMaker
+from megacompile.plan.hardware import get_profile
+from megacompile.plan.memory_estimate import allocation_granularity, estimate_memory, storage_roots
+from megacompile.plan.template_planner import DEPTHS, MIN_LAYERS, Template
+from megacompile.plan.training_plan import TrainingPlan
+from megacompile.report import RECORDER
+from megacompile.runtime.executor import StreamingProgram
+from megacompile.runtime.segment_cache import SegmentCache
 
 _graph_counter = itertools.count()
-
-# Every graph compiled in this process, newest last, for `megacompile inspect`.
-COMPILED: list["CompiledGraph"] = []
-
-
-@dataclasses.dataclass
-class CompiledGraph:
-    label: str
-    options: Options
-    snapshots: list = dataclasses.field(default_factory=list)
-    plan: TrainingPlan | None = None
-    forward: fx.GraphModule | None = None
-    backward: fx.GraphModule | None = None
-    param_bytes_by_layer: dict = dataclasses.field(default_factory=dict)
-    # The graph's parameters (weakly: the record must not keep a model alive), by input index.
-    param_refs: dict = dataclasses.field(default_factory=dict)
-    # Inductor lowering: how many distinct segments were compiled and how many repeats reused
-    # one (runtime.segment_cache.SegmentCacheStats).
-    segment_stats: Any = None
-
-    @property
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.params())
-
-    def params(self) -> list[torch.Tensor]:
-        return [p for p in (ref() for ref in self.param_refs.values()) if p is not None]
-
-    def host_bytes(self, optimizer) -> dict[str, int]:
-        """What this graph's parameters hold in host memory between steps, by kind, counted
-        from the tensors themselves: the (fp32 master) weights, the gradients the backward
-        hands to ``param.grad`` (their dtype and size, from the backward program), and the
-        optimizer's state tensors for these parameters."""
-        params = self.params()
-        grads = 0
-        if self.backward is not None:
-            output = next(iter(self.backward.graph.find_nodes(op="output")))
-            for index, out in enumerate(output.args[0]):
-                if index in self.param_refs and isinstance(out, fx.Node):
-                    grads += info(out).nbytes_hint
-        states = 0
-        if optimizer is not None:
-            for p in params:
-                for value in optimizer.state.get(p, {}).values():
-                    if isinstance(value, torch.Tensor):
-                        states += value.untyped_storage().nbytes()
-        return {
-            "weights": sum(p.untyped_storage().nbytes() for p in params),
-            "gradients": grads,
-            "optimizer_states": states,
-        }
-
-    @property
-    def measures_peak(self) -> bool:
-        # CUDA: the allocator measures everything. CPU stand-in: only the eager lowering
-        # hands every device-side tensor to the tracker.
-        return self.options.device == "cuda" or self.options.lowering == "eager"
-
-    def make_report(self, stats, measured: int | None, host_graphs: list[str], optimizer=None,
-                    staging_peak: int = 0, overlap: dict | None = None) -> StepReport:
-        """The step's report from its transfer counters (``device.stats``), measured peaks, the
-        optimizer whose state counts as host memory, and the overlapped optimizer's stats."""
-        plan = self.plan
-        layers: dict[str, LayerRow] = {}
-
-        def row(name: str | None) -> LayerRow:
-            key = name or "(glue)"
-            if key not in layers:
-                layers[key] = LayerRow(key)
-            return layers[key]
-
-        for layer, nbytes in self.param_bytes_by_layer.items():
-            row(layer).param_bytes += nbytes
-        for layer, nbytes in stats.h2d_by_layer.items():
-            row(layer).h2d_bytes = nbytes
-        for layer, nbytes in stats.d2h_by_layer.items():
-            row(layer).d2h_bytes = nbytes
-        if self.forward is not None:
-            saved = set(plan.saved_values)
-            for node in self.forward.graph.nodes:
-                if node.name in saved and info(node).placement == "device":
-                    row(info(node).layer).saved_activation_bytes += info(node).nbytes_hint
-        if self.backward is not None:
-            for node in self.backward.graph.nodes:
-                if node.op == "call_function" and info(node).phase == "recompute":
-                    row(info(node).layer).recomputed_ops += 1
-        for est, attr in ((plan.forward, "planned_forward_peak"), (plan.backward, "planned_backward_peak")):
-            if est is not None:
-                for layer, peak in est.per_layer_peak.items():
-                    setattr(row(layer), attr, peak)
-        host = self.host_bytes(optimizer)
-        if overlap is not None and overlap["overlapped"]:
-            # Updated as they landed: those gradients were consumed, not kept (the in-flight
-            # peak is ``optimizer["peak_pending_grad_bytes"]``).
-            host["gradients"] = max(0, host["gradients"] - overlap["consumed_grad_bytes"])
-        num_params = self.num_params
-        return StepReport(
-            device=self.options.device,
-            precision=self.options.precision,
-            host_bytes=host,
-            host_bytes_per_param=sum(host.values()) / num_params if num_params else 0.0,
-            host_staging_peak_bytes=staging_peak,
-            lowering=self.options.lowering,
-            memory_budget=self.options.memory_budget,
-            policy=plan.policy,
-            planned_peak_device_bytes=plan.peak_bytes,
-            measured_peak_device_bytes=measured,
-            h2d_bytes=stats.h2d_bytes,
-            d2h_bytes=stats.d2h_bytes,
-            recomputed_ops=list(plan.recomputed_ops),
-            layers=list(layers.values()),
-            graphs=[self.label],
-            host_graphs=host_graphs,
-            notes=[plan.reason] if plan.reason else [],
-            optimizer=overlap,
-            segments=dataclasses.asdict(self.segment_stats) if self.segment_stats is not None else None,
-        )
-
 
 class TrainingCompiler:
     """The AOTAutograd callbacks for one Dynamo graph."""
@@ -159,18 +57,15 @@ class TrainingCompiler:
         self.input_roles = input_roles
         self.lower = lowering_fn
         self.record = CompiledGraph(label=f"graph{next(_graph_counter)}", options=options)
-        from .overlap import ParamInputs
 
         # The forward records the parameter tensors it ran with; the backward's gradient i
         # belongs to forward input i.
         self.param_inputs = ParamInputs([i for i, role in enumerate(input_roles) if role == "param"])
-        from .eager_update_watch import EagerUpdateWatch
 
         self.eager_watch = EagerUpdateWatch()
         for index, (name, role, value) in enumerate(zip(input_names, input_roles, example_inputs)):
             if role == "param" and isinstance(value, torch.Tensor):
                 self.record.param_refs[index] = weakref.ref(value)
-                from .node_info import layer_of_module_path
 
                 layer = layer_of_module_path(name.rsplit(".", 1)[0]) if "." in name else None
                 key = layer or "(glue)"
@@ -186,8 +81,6 @@ class TrainingCompiler:
         """``build(plan)`` for one joint graph: partition it under the plan, run the passes on
         both halves, estimate their memory."""
         def build(plan: TrainingPlan, snapshots: bool = False):
-            from .planner import Attempt
-
             snapshots = snapshots and self.options.keeps_snapshots
             # Candidates are built without the inspect snapshots (formatting every graph after
             # every pass was a third of the planning time); where snapshots are kept (option
@@ -213,10 +106,6 @@ class TrainingCompiler:
     def _prepare(self, joint: fx.GraphModule) -> tuple[list[str], list[str]]:
         """Annotates an (inlined) joint graph once; returns its layers in forward order and the
         parameters both passes read (the residency candidates)."""
-        from megacompile.passes.resident_parameters import used_in_both_phases
-
-        from .cost_model import remember_flops
-
         run_passes(joint, self._ctx("joint", TrainingPlan()), keep_snapshots=False)
         remember_flops(joint)  # every candidate's graphs copy these nodes: count their FLOPs once
         layers: list[str] = []
@@ -230,9 +119,6 @@ class TrainingCompiler:
         """Short copies of the (not yet inlined) joint graph to plan its repeated layers on
         (``template_planner``), and how many repeated layers the full graph has; ([], 0) where
         the option, the budget or the graph's structure rules them out."""
-        from .template_planner import DEPTHS, MIN_LAYERS, Template
-        from .truncate_repeats import find_repeat_chain, truncated_joint
-
         mode = self.options.plan_repeats
         if mode == "flat" or self.options.memory_budget is None or self.options.recompute == "always":
             return [], 0
@@ -251,11 +137,6 @@ class TrainingCompiler:
 
     # --- AOTAutograd callbacks ----------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_unused):
-        from .cost_model import optimizer_param_bytes, step_time
-        from .hardware import get_profile
-        from .planner import PlanMaker, plan_training
-        from .template_planner import plan_with_templates
-
         if isinstance(joint_inputs, (list, tuple)) and len(joint_inputs) == 0:
             # AOTAutograd partitions a nested_compile_region body's own joint graph (once per
             # distinct body, with no inputs) before the step's: save everything its backward
@@ -286,12 +167,13 @@ class TrainingCompiler:
         chosen = None
         if templates:
             try:
-                chosen = plan_with_templates(make_maker(build), joint, templates, repeated,
+                chosen = template_planner.plan_with_templates(make_maker(build), joint, templates, repeated,
                                              self.options, profile)
             except Exception as e:  # noqa: BLE001
                 _template_failed(e)
         if chosen is None:
-            chosen = plan_training(build, layers, self.options, profile, predict_seconds, both_phases, joint=joint)
+            chosen = flat_planner.plan_training(build, layers, self.options, profile, predict_seconds, both_phases,
+                                                joint=joint)
         if self.options.keeps_snapshots and not chosen.snapshots:  # built as a candidate: again, with them
             priced = chosen.peak
             chosen = build(chosen.plan, snapshots=True)
@@ -301,7 +183,7 @@ class TrainingCompiler:
                     f"bytes, not the {priced} it was chosen at; please report this with the model")
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = chosen.snapshots
-        COMPILED.append(self.record)
+        records.add(self.record)
         return chosen.forward, chosen.backward
 
     # AOTAutograd compiles the backward lazily, inside ``loss.backward()`` within the user's
@@ -337,28 +219,25 @@ class TrainingCompiler:
 
     def _make_lander(self):
         """Per backward call: a lander if the optimizer step can overlap it, else None."""
-        from . import overlap
-
         if not self.options.overlaps_optimizer:
-            overlap.record(overlap.OverlapStats(False, "overlap_optimizer=False" if self.options.overlap_optimizer is False
-                                                else "overlap_optimizer='auto' is off on the CPU stand-in (its device "
-                                                     "lane computes on the host cores the updates would use)"))
+            why = ("overlap_optimizer=False" if self.options.overlap_optimizer is False
+                   else "overlap_optimizer='auto' is off on the CPU stand-in (its device lane computes on the host "
+                        "cores the updates would use)")
+            RECORDER.overlap_decided(overlap.OverlapStats(False, why))
             return None
         params = self.param_inputs.tensors()
         opt, reason = overlap.step_follows_backward(params)
         if opt is None:
-            overlap.record(overlap.OverlapStats(False, reason))
+            RECORDER.overlap_decided(overlap.OverlapStats(False, reason))
             return None
         lander = overlap.GradientLander(opt, params, self.device, reason)
-        overlap.record(lander.stats)
+        RECORDER.overlap_decided(lander.stats)
         RECORDER.optimizer_seen(opt)
         return lander
 
     @torch.compiler.disable
     def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Any:
-        from .inline_regions import inline_nested_regions
-
-        inline_nested_regions(gm)  # marked layers' calls, as traced (nothing partitioned)
+        inline_regions.inline_nested_regions(gm)  # marked layers' calls, as traced (nothing partitioned)
         plan = TrainingPlan(policy="inference", budget=self.options.memory_budget)
         ctx = self._ctx("inference", plan)
         run_passes(gm, ctx, keep_snapshots=self.options.keeps_snapshots)
@@ -374,7 +253,7 @@ class TrainingCompiler:
             )
         self.record.plan, self.record.forward, self.record.snapshots = plan, gm, ctx.snapshots
         self.record.label += " (no backward)"
-        COMPILED.append(self.record)
+        records.add(self.record)
         # Glue without parameters (``loss.detach()``) belongs to the step around it.
         starts_step = "param" in self.input_roles
         return self.lower(gm, start_step=starts_step, record=self.record, part="forward")
@@ -389,8 +268,6 @@ class TrainingCompiler:
 def _template_failed(error: Exception) -> None:
     """Planning on short copies of the step is a shortcut: where it fails, say so and plan
     the full graph as if it had not been tried."""
-    import warnings
-
     warnings.warn(f"megatrain: planning the repeated layers on short copies of the step failed "
                   f"({type(error).__name__}: {error}); planning the full graph instead (plan_repeats='flat' "
                   f"skips the attempt)", stacklevel=3)
@@ -405,8 +282,6 @@ def size_check(record: CompiledGraph, budget: int | None):
     of sizes (once per set) and a ``BudgetError`` is raised before anything runs if it exceeds
     the budget. None where there is nothing to check (no budget, static shapes).
     """
-    import sympy
-
     if budget is None or record.forward is None:
         return None
     bindings: list[tuple[int, int | None, Any, Any]] = []  # input, dim (None: a SymInt input), symbol, SymInt
@@ -453,9 +328,6 @@ def size_check(record: CompiledGraph, budget: int | None):
 
 def lower_with(options: Options, device):
     """A lowering function bound to the options: graph -> StreamingProgram."""
-    from megacompile.runtime.executor import StreamingProgram
-    from megacompile.runtime.segment_cache import SegmentCache
-
     # One cache for the forward and the backward of this graph: a repeated layer's segments
     # are compiled once.
     compile_segment = SegmentCache(compat.inductor_compile)
@@ -463,7 +335,8 @@ def lower_with(options: Options, device):
     def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str):
         record.segment_stats = compile_segment.stats
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
-        on_finish = (lambda: RECORDER.graph_finished(record)) if start_step or record.plan.policy != "inference" else None
+        ends_step_part = start_step or record.plan.policy != "inference"
+        on_finish = (lambda: RECORDER.graph_finished(record)) if ends_step_part else None
         check = size_check(record, options.memory_budget) if part == "forward" else None
         # The stand-in's copies exist to be measured: where nothing is measured (the Inductor
         # lowering) they would only cost time, as long as no parameter is updated while a

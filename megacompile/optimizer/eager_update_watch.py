@@ -17,7 +17,8 @@ import warnings
 
 import torch
 
-from . import _torch_compat as compat
+from megacompile.core import torch_compat as compat
+from megacompile.optimizer.ownership import optimizer_of
 
 _host_steps = 0  # megatrain host graphs run so far
 _warned: set[type] = set()
@@ -46,8 +47,6 @@ class EagerUpdateWatch:
         changed = [p for p in params.values() if id(p) in versions and compat.tensor_version(p) != versions[id(p)]]
         if not changed:
             return
-        from .host_optimizer import optimizer_of
-
         opt = optimizer_of({id(p): p for p in changed})
         if opt is None or type(opt) in _warned:
             return

@@ -6,13 +6,22 @@ module imports from ``torch._*``; when a release moves something, this is the on
 from __future__ import annotations
 
 import inspect
+import types
 from typing import Any, Callable, Sequence
 
 import torch
+import torch._dynamo.external_utils
 import torch.fx as fx
-
-# --- Dynamo -----------------------------------------------------------------------------
+import torch.optim.optimizer as optim_module
+from torch._dynamo import list_backends, register_backend
 from torch._dynamo.exc import BackendCompilerFailed, ShortenTraceback  # noqa: F401
+from torch._dynamo.resume_execution import ContinueExecutionCache
+from torch._dynamo.symbolic_convert import InstructionTranslator
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+from torch.fx.experimental import symbolic_shapes as sym
+from torch.fx.experimental.proxy_tensor import is_sym_node as _is_sym_node
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def passthrough_exception_base() -> type:
@@ -43,8 +52,6 @@ def wrap_in_autocast(gm: fx.GraphModule, device_type: str, dtype: torch.dtype) -
     the forward with autocast's casts and the backward outside it, exactly as an eager step
     under ``with torch.autocast(...): loss = ...`` followed by ``loss.backward()``.
     """
-    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
-
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     output = next(iter(graph.find_nodes(op="output")))
@@ -113,16 +120,12 @@ def is_compile_region(fn: Any) -> bool:
 
 
 def is_sym_node(node: fx.Node) -> bool:
-    from torch.fx.experimental.proxy_tensor import is_sym_node as _is_sym_node
-
     return _is_sym_node(node)
 
 
 # --- Fake tensors -----------------------------------------------------------------------
 def fake_mode_of(gm: fx.GraphModule):
     """The FakeTensorMode the graph's ``meta['val']`` tensors belong to, if any."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, FakeTensor):
@@ -131,30 +134,26 @@ def fake_mode_of(gm: fx.GraphModule):
 
 
 def is_fake_tensor(x: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(x, FakeTensor)
 
 
 # --- Inductor ---------------------------------------------------------------------------
 def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     """Compile an FX graph with Inductor (Triton on CUDA, C++ on CPU)."""
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx  # lazy: Inductor takes seconds to import
 
     return compile_fx(gm, list(example_inputs))
 
 
 def inductor_backend() -> Callable:
     """Plain Inductor as a Dynamo backend: the fallback for graphs megacompile declines."""
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx  # lazy: Inductor takes seconds to import
 
     return compile_fx
 
 
 def no_dispatch_modes():
     """A context with no active Python dispatch modes (fake / functional tensor modes)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     return _disable_current_modes()
 
 
@@ -165,7 +164,6 @@ def int_hint(x) -> int:
     """
     if not isinstance(x, torch.SymInt):
         return int(x)
-    from torch.fx.experimental import symbolic_shapes as sym
 
     for name in ("optimization_hint", "hint_int"):
         fn = getattr(sym, name, None)
@@ -185,8 +183,6 @@ def reset_dynamo() -> None:
 
 
 def register_dynamo_backend(fn, name: str) -> None:
-    from torch._dynamo import list_backends, register_backend
-
     if name not in list_backends(exclude_tags=()):
         register_backend(fn, name=name)
 
@@ -204,7 +200,7 @@ def fused_adam_(decoupled: bool):
     return torch._fused_adamw_ if decoupled else torch._fused_adam_
 
 
-# --- What may run between backward() and optimizer.step() (megacompile/overlap.py) ---------
+# --- What may run between backward() and optimizer.step() (megacompile/optimizer/overlap.py) ---------
 def is_dynamo_resume_function_name(name: str) -> bool:
     """Dynamo continues a frame after a graph break in a generated function of this name."""
     return name.startswith("__resume_at_")
@@ -214,15 +210,11 @@ def is_dynamo_resume_code(value) -> bool:
     """A resume function's code object. 2.13 loads a resume function by its global name
     (``is_dynamo_resume_function_name``); 2.11 builds one that has a closure from a constant
     code object (LOAD_CONST code; MAKE_FUNCTION), whose name carries this prefix."""
-    import types
-
     return isinstance(value, types.CodeType) and value.co_name.startswith("torch_dynamo_resume_in_")
 
 
 def optimizer_has_step_hooks(opt: torch.optim.Optimizer) -> bool:
     """Any step pre/post hook, on this optimizer or global (they could read gradients)."""
-    import torch.optim.optimizer as optim_module
-
     return bool(
         getattr(opt, "_optimizer_step_pre_hooks", None) or getattr(opt, "_optimizer_step_post_hooks", None)
         or getattr(optim_module, "_global_optimizer_pre_hooks", None)
@@ -261,8 +253,6 @@ def set_instance_step(opt: torch.optim.Optimizer, step) -> None:
 def dynamo_resume_code(fn):
     """The code of a Dynamo resume function. For a frame with a closure Dynamo's global is a
     factory that builds the function from its ``code`` cell; this returns that code."""
-    import types
-
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
@@ -324,3 +314,42 @@ class invoke_subgraph_schema_memo:
     def __exit__(self, *exc) -> None:
         if self.hop is not None:
             del self.hop.gen_schema
+
+
+# --- Which user function a graph comes from ----------------------------------------------
+# The frame Dynamo compiles for ``torch.compile(module)``: a wrapper around the module's call.
+_MODULE_WRAPPER_CODE = torch._dynamo.external_utils.wrap_inline(lambda: None).__code__
+
+
+def compiling_owner() -> Any:
+    """What the user handed ``torch.compile`` for the frame Dynamo is compiling now (inside a
+    backend call): the function's code object, with a resume function (the rest of a frame
+    after a graph break) mapped back to the function it was cut from, or the module for a
+    compiled module. None outside a Dynamo compile."""
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # no translator on this thread: not inside a Dynamo compile
+        return None
+    code = tx.f_code
+    if code is _MODULE_WRAPPER_CODE and getattr(tx, "closure", None):
+        wrapped = tx.closure[0].cell_contents
+        return wrapped if isinstance(wrapped, torch.nn.Module) else getattr(wrapped, "__code__", code)
+    seen = set()
+    while id(code) not in seen:
+        seen.add(id(code))
+        meta = ContinueExecutionCache.generated_code_metadata.get(code)
+        if meta is None:
+            break
+        code = meta.code
+    return code
+
+
+def compiled_owner(fn: Any) -> Any:
+    """The key ``compiling_owner`` files ``fn``'s graphs under: for a function (or the wrapper
+    ``torch.compile`` returned for it) its code object; for a module (or its compiled
+    wrapper) the module."""
+    if isinstance(fn, torch.nn.Module):
+        return getattr(fn, "_orig_mod", fn)  # a compiled module's wrapper: the module
+    fn = getattr(fn, "_torchdynamo_orig_callable", fn)
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))
+    return getattr(fn, "__code__", None)

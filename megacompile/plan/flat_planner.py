@@ -18,8 +18,9 @@ estimates the peak), so a chosen plan's predicted peak is the one the runtime wi
    which time falls and recompute never rises as the peak grows keeps the useful ones, and
    the last rung within the budget wins. Rungs within the budget whose loads keep the
    compute lane waiting are also built with those loads prefetched a layer deeper. The
-   candidates do not depend on the budget, so a larger budget only moves up the ladder. If none fits, ``BudgetError`` names the smallest
-   peak any plan reached and the layer that sets it.
+   candidates do not depend on the budget, so a larger budget only moves up the ladder. If
+   none fits, ``BudgetError`` names the smallest peak any plan reached and the layer that
+   sets it.
 
 Decisions and their reasons land in ``NodeInfo.decision`` / ``reason`` (shown by inspect);
 the choices are in ``TrainingPlan.layer_policy`` / ``value_policy`` / ``resident`` and their
@@ -32,12 +33,16 @@ from typing import Callable
 
 import torch.fx as fx
 
-from .errors import BudgetError
-from . import ops
-from .node_info import has_info, info
-from .options import format_bytes
-from .plan import TrainingPlan
-from .solvers import SOLVERS, Option
+from megacompile.core import ops
+from megacompile.core.errors import BudgetError
+from megacompile.core.node_info import has_info, info, is_view_node, tensor_nbytes_hint
+from megacompile.core.units import format_bytes
+from megacompile.passes.recompute import SavedValueWalk
+from megacompile.passes.stream_parameters import layer_runs
+from megacompile.plan.cost_model import annotate_costs, cost, is_cpu_standin, simulate, step_time
+from megacompile.plan.memory_estimate import storage_root
+from megacompile.plan.solvers import SOLVERS, Option
+from megacompile.plan.training_plan import TrainingPlan
 
 
 @dataclasses.dataclass
@@ -55,8 +60,6 @@ class Attempt:
 def _saved_device_bytes_by_layer(attempt: Attempt) -> dict[str, int]:
     """Device bytes the forward hands to the backward, per layer, by storage: a saved view
     counts its base's bytes (once, however many views of it are saved)."""
-    from .plan import storage_root
-
     out: dict[str, int] = {}
     saved = set(attempt.plan.saved_values)
     memo: dict = {}
@@ -74,8 +77,6 @@ def _saved_device_bytes_by_layer(attempt: Attempt) -> dict[str, int]:
 
 def _forward_seconds_by_layer(gm: fx.GraphModule, profile) -> dict[str, float]:
     """What replaying each layer's forward costs, by the cost model (roofline + launch)."""
-    from .cost_model import annotate_costs, cost
-
     annotate_costs(gm, profile)
     out: dict[str, float] = {}
     for node in gm.graph.nodes:
@@ -113,10 +114,6 @@ def _freed_at_peak(keep: Attempt, groups: dict, prefetch_depth: int, floor: int)
     its own. Checked at the peak of each graph (forward, backward) that exceeds ``floor``;
     the smaller of the two counts.
     """
-    from megacompile.passes.stream_parameters import _layer_runs
-
-    from .node_info import is_view_node
-
     out = {root: [g.nbytes, g.nbytes] for root, g in groups.items()}
     est = keep.plan.forward
     if est is not None and est.peak_bytes > floor:
@@ -146,7 +143,7 @@ def _freed_at_peak(keep: Attempt, groups: dict, prefetch_depth: int, floor: int)
         peak_at = next((i for i, n in enumerate(nodes) if n.name == est.peak_node), len(nodes))
         compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n)]
         cpos = {n: i for i, n in enumerate(compute)}
-        runs = [start for _, start in _layer_runs(compute)]
+        runs = [start for _, start in layer_runs(compute)]
         by_name = {n.name: n for n in nodes if n.op == "placeholder"}
         for root, g in groups.items():
             readers, stack = [], [by_name[m] for m in g.members if m in by_name]
@@ -182,12 +179,6 @@ def saved_groups(keep: Attempt, joint: fx.GraphModule, profile, allow_recompute:
     - recompute: frees the storage less whatever the replay makes the forward save instead,
       costs the cost-model time of the ops replayed from values that stay saved.
     """
-    from megacompile.passes.recompute import SavedValueWalk
-
-    from .cost_model import annotate_costs, cost, is_cpu_standin, step_time
-    from .node_info import tensor_nbytes_hint
-    from .plan import storage_root
-
     fw = keep.forward
     annotate_costs(fw, profile)
     seconds = {n.name: (cost(n).time_s if cost(n) else 0.0) for n in fw.graph.nodes if n.op == "call_function"}
@@ -241,7 +232,7 @@ def saved_groups(keep: Attempt, joint: fx.GraphModule, profile, allow_recompute:
                 replayed = [n for n, (d, _) in marks.items() if d == "recompute"]
                 replay_s = sum(seconds.get(n.name, 0.0) for n in replayed)
                 extra_roots = set()
-                for n, (d, _) in stays.items():
+                for n in stays:
                     fn = fw_nodes.get(n.name)
                     if fn is None or n.op == "placeholder" or n.target is ops.load or n in needed:
                         continue
@@ -544,8 +535,6 @@ _MAX_PREFETCH = 4
 def _load_stalls(attempt: Attempt, profile, precision: str) -> dict[str, float]:
     """Streamed value (by source name) -> seconds the compute lane waits for its loads,
     over the forward and the backward, by the cost model's lane simulation."""
-    from .cost_model import simulate
-
     stalls: dict[str, float] = {}
     for gm in (attempt.forward, attempt.backward):
         if gm is None:

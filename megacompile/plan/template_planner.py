@@ -27,10 +27,10 @@ import dataclasses
 
 import torch.fx as fx
 
-from .inline_regions import BODY_NODE
-from .options import format_bytes
-from .planner import Attempt, PlanMaker, ladder_of, saved_groups, solver_mixes
-from .solvers import SOLVERS, Option
+from megacompile.core.node_info import BODY_NODE
+from megacompile.core.units import format_bytes
+from megacompile.plan.flat_planner import Attempt, PlanMaker, ladder_of, saved_groups, solver_mixes
+from megacompile.plan.solvers import SOLVERS, Option
 
 # The two short copies of the step: k layers each (the chain's first k-1 and its last).
 DEPTHS = (3, 4)

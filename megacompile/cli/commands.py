@@ -22,13 +22,20 @@ import re
 import runpy
 import sys
 import traceback
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, NamedTuple, Sequence
 
-from . import _torch_compat, calibrate
+from megacompile.capture.records import recording
+from megacompile.core import torch_compat as _torch_compat
+from megacompile.core.units import format_bytes
+
 # Set to "1" while `inspect` runs the user's script, so a script can notice it (for instance to
 # run one step instead of a hundred); the graphs then keep their per-pass snapshots
 # (option snapshots="auto").
-from .options import INSPECT_ENV
+from megacompile.options import INSPECT_ENV
+from megacompile.passes import known_pass_names
+from megacompile.plan import calibrate
+from megacompile.report import last_report
 
 PROG = "megacompile"
 
@@ -121,7 +128,6 @@ def _parse_stage_filters(names: Sequence[str] | None) -> list[tuple[str | None, 
     """``--stage`` values -> (graph, stage) pairs, None meaning any; None when no filter."""
     if not names:
         return None
-    from megacompile.passes import known_pass_names
 
     stages = ["captured", *known_pass_names()]
     filters = []
@@ -278,7 +284,6 @@ def _snapshot_header(label: str, index: int, snapshot) -> str:
 
 
 def _options_line(options) -> str:
-    from .options import format_bytes
 
     budget = format_bytes(options.memory_budget) if options.memory_budget else "none"
     disabled = ",".join(options.disable_passes) or "none"
@@ -301,7 +306,6 @@ def _plan_reason(plan, options) -> str:
 
 
 def _plan_lines(record) -> list[str]:
-    from .options import format_bytes
 
     plan = record.plan
     if plan is None:
@@ -330,7 +334,6 @@ def _plan_lines(record) -> list[str]:
 
 
 def _record_summary(record, directory: str, snapshots: list[tuple[int, Any]]) -> str:
-    from .options import format_bytes
 
     lines = [f"{record.label}  (directory {directory}/)", f"  options      {_options_line(record.options)}"]
     lines += _plan_lines(record)
@@ -361,7 +364,6 @@ def _report_for(records):
     The recorder is process-wide: in-process, a report from an earlier run must not be
     passed off as this script's.
     """
-    from .report import last_report
 
     report = last_report()
     labels = {r.label for r in records}
@@ -468,20 +470,18 @@ def run_inspect(args: argparse.Namespace) -> int:
     fmt = args.format or "text"
     filters = _parse_stage_filters(args.stage)
 
-    from .capture import COMPILED
 
     # Report only this script's graphs; and forget Dynamo's cache, or a function compiled
     # earlier in this process would be a cache hit here and show nothing.
-    COMPILED.clear()
     _torch_compat.reset_dynamo()
     shown = f"-m {script}" if args.as_module else script
-    try:
-        run_script(script, script_args, args.as_module)
-    except ScriptFailed as e:
-        compiled = f"; megatrain had compiled {len(COMPILED)} graph(s) before that" if COMPILED else ""
-        print(f"{PROG} inspect: {shown}: {e}{compiled}. Nothing was dumped.", file=sys.stderr)
-        return 1
-    records = list(COMPILED)
+    with recording() as records:
+        try:
+            run_script(script, script_args, args.as_module)
+        except ScriptFailed as e:
+            compiled = f"; megatrain had compiled {len(records)} graph(s) before that" if records else ""
+            print(f"{PROG} inspect: {shown}: {e}{compiled}. Nothing was dumped.", file=sys.stderr)
+            return 1
     if not records:
         print(f"{PROG} inspect: {shown} ran, but compiled nothing with the megatrain backend. inspect shows "
               f"graphs compiled by torch.compile(..., backend=\"megatrain\"); torch.compile compiles at the "
@@ -510,12 +510,11 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                add_inspect_arguments, run_inspect),
     Subcommand("calibrate", "measure this machine (matmul, host<->device bandwidth, host AdamW) into a "
                "hardware profile", calibrate.add_arguments, calibrate.run),
-    Subcommand(*importlib.import_module("megacompile.plan_cmd").SUBCOMMAND),
+    Subcommand(*importlib.import_module("megacompile.cli.plan_command").SUBCOMMAND),
 )
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("megacompile")

@@ -16,12 +16,8 @@ import operator
 
 import torch.fx as fx
 
-from . import _torch_compat as compat
-
-# node.meta key on every inlined copy: (the body's attribute name, the body node's name). The
-# copies of one body node in every layer share it, which is how a decision made for one
-# layer of a template (``template_planner``) names the same value in every other layer.
-BODY_NODE = "megatrain_body_node"
+from megacompile.core import torch_compat as compat
+from megacompile.core.node_info import BODY_NODE
 
 
 def _call_site_path(node: fx.Node) -> str | None:

@@ -1,0 +1,207 @@
+"""What megatrain compiled, kept with the function it was compiled for.
+
+Each graph Dynamo hands the backend becomes a ``CompiledGraph``: its options, plan, rewritten
+programs and the per-pass snapshots ``megacompile inspect`` prints. Records belong to the user's
+function (``compiled_graphs(step)``, the way ``thunder.last_traces(fn)`` works), found from the
+code object Dynamo was compiling; a graph after a graph break belongs to the function it
+was cut from. They live as long as that function's code does, not as long as the process.
+``recording()`` collects every record made while it is open, for a caller that runs code it
+did not write (``megacompile inspect``, a test).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import threading
+import weakref
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+from megacompile.core import torch_compat as compat
+from megacompile.core.node_info import info
+from megacompile.options import Options
+from megacompile.plan.training_plan import TrainingPlan
+from megacompile.report import LayerRow, StepReport
+
+
+@dataclasses.dataclass
+class CompiledGraph:
+    label: str
+    options: Options
+    snapshots: list = dataclasses.field(default_factory=list)
+    plan: TrainingPlan | None = None
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    param_bytes_by_layer: dict = dataclasses.field(default_factory=dict)
+    # The graph's parameters (weakly: the record must not keep a model alive), by input index.
+    param_refs: dict = dataclasses.field(default_factory=dict)
+    # Inductor lowering: how many distinct segments were compiled and how many repeats reused
+    # one (runtime.segment_cache.SegmentCacheStats).
+    segment_stats: Any = None
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.params())
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for p in (ref() for ref in self.param_refs.values()) if p is not None]
+
+    def host_bytes(self, optimizer) -> dict[str, int]:
+        """What this graph's parameters hold in host memory between steps, by kind, counted
+        from the tensors themselves: the (fp32 master) weights, the gradients the backward
+        hands to ``param.grad`` (their dtype and size, from the backward program), and the
+        optimizer's state tensors for these parameters."""
+        params = self.params()
+        grads = 0
+        if self.backward is not None:
+            output = next(iter(self.backward.graph.find_nodes(op="output")))
+            for index, out in enumerate(output.args[0]):
+                if index in self.param_refs and isinstance(out, fx.Node):
+                    grads += info(out).nbytes_hint
+        states = 0
+        if optimizer is not None:
+            for p in params:
+                for value in optimizer.state.get(p, {}).values():
+                    if isinstance(value, torch.Tensor):
+                        states += value.untyped_storage().nbytes()
+        return {
+            "weights": sum(p.untyped_storage().nbytes() for p in params),
+            "gradients": grads,
+            "optimizer_states": states,
+        }
+
+    @property
+    def measures_peak(self) -> bool:
+        # CUDA: the allocator measures everything. CPU stand-in: only the eager lowering
+        # hands every device-side tensor to the tracker.
+        return self.options.device == "cuda" or self.options.lowering == "eager"
+
+    def make_report(self, stats, measured: int | None, host_graphs: list[str], optimizer=None,
+                    staging_peak: int = 0, overlap: dict | None = None) -> StepReport:
+        """The step's report from its transfer counters (``device.stats``), measured peaks, the
+        optimizer whose state counts as host memory, and the overlapped optimizer's stats."""
+        plan = self.plan
+        layers: dict[str, LayerRow] = {}
+
+        def row(name: str | None) -> LayerRow:
+            key = name or "(glue)"
+            if key not in layers:
+                layers[key] = LayerRow(key)
+            return layers[key]
+
+        for layer, nbytes in self.param_bytes_by_layer.items():
+            row(layer).param_bytes += nbytes
+        for layer, nbytes in stats.h2d_by_layer.items():
+            row(layer).h2d_bytes = nbytes
+        for layer, nbytes in stats.d2h_by_layer.items():
+            row(layer).d2h_bytes = nbytes
+        if self.forward is not None:
+            saved = set(plan.saved_values)
+            for node in self.forward.graph.nodes:
+                if node.name in saved and info(node).placement == "device":
+                    row(info(node).layer).saved_activation_bytes += info(node).nbytes_hint
+        if self.backward is not None:
+            for node in self.backward.graph.nodes:
+                if node.op == "call_function" and info(node).phase == "recompute":
+                    row(info(node).layer).recomputed_ops += 1
+        for est, attr in ((plan.forward, "planned_forward_peak"), (plan.backward, "planned_backward_peak")):
+            if est is not None:
+                for layer, peak in est.per_layer_peak.items():
+                    setattr(row(layer), attr, peak)
+        host = self.host_bytes(optimizer)
+        if overlap is not None and overlap["overlapped"]:
+            # Updated as they landed: those gradients were consumed, not kept (the in-flight
+            # peak is ``optimizer["peak_pending_grad_bytes"]``).
+            host["gradients"] = max(0, host["gradients"] - overlap["consumed_grad_bytes"])
+        num_params = self.num_params
+        return StepReport(
+            device=self.options.device,
+            precision=self.options.precision,
+            host_bytes=host,
+            host_bytes_per_param=sum(host.values()) / num_params if num_params else 0.0,
+            host_staging_peak_bytes=staging_peak,
+            lowering=self.options.lowering,
+            memory_budget=self.options.memory_budget,
+            policy=plan.policy,
+            planned_peak_device_bytes=plan.peak_bytes,
+            measured_peak_device_bytes=measured,
+            h2d_bytes=stats.h2d_bytes,
+            d2h_bytes=stats.d2h_bytes,
+            recomputed_ops=list(plan.recomputed_ops),
+            layers=list(layers.values()),
+            graphs=[self.label],
+            host_graphs=host_graphs,
+            notes=[plan.reason] if plan.reason else [],
+            optimizer=overlap,
+            segments=dataclasses.asdict(self.segment_stats) if self.segment_stats is not None else None,
+        )
+
+
+_lock = threading.Lock()
+# The function's code object, or the module for a compiled module -> its records.
+_by_owner: "weakref.WeakKeyDictionary[Any, list[CompiledGraph]]" = weakref.WeakKeyDictionary()
+# (file, first line, name) of every function compiled so far -> the function its records go
+# to. Dynamo runs a compiled frame as a new code object with the same three, so a frame on
+# the stack is recognised by them.
+_roots_by_site: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
+_outside_dynamo: list[CompiledGraph] = []  # records made with no Dynamo compile running (direct backend calls)
+_open_recordings: list[list[CompiledGraph]] = []
+
+
+def _site(code) -> tuple:
+    return (code.co_filename, code.co_firstlineno, code.co_name)
+
+
+def _outermost_compiled_caller():
+    """The outermost compiled function on the stack: a frame Dynamo compiles while another
+    compiled function runs (``opt.step()`` after the graph break at ``backward()``) belongs to it."""
+    root = None
+    frame = sys._getframe(2)
+    while frame is not None:
+        root = _roots_by_site.get(_site(frame.f_code), root)
+        frame = frame.f_back
+    return root
+
+
+def add(record: CompiledGraph) -> None:
+    """Files a record under the user function being compiled, and with every open recording."""
+    owner = compat.compiling_owner()
+    with _lock:
+        if owner is None:
+            _outside_dynamo.append(record)
+        else:
+            root = _outermost_compiled_caller() or owner
+            if hasattr(owner, "co_name"):
+                _roots_by_site.setdefault(_site(owner), root)
+            _by_owner.setdefault(root, []).append(record)
+        for recording_list in _open_recordings:
+            recording_list.append(record)
+
+
+def compiled_graphs(fn: Any) -> list[CompiledGraph]:
+    """The graphs megatrain compiled for ``fn`` (what ``torch.compile`` was given or returned;
+    a module stands for its ``forward``), oldest first, including those of frames Dynamo
+    compiled while ``fn`` ran (its rest after a graph break, an ``opt.step()`` it calls).
+    Records are kept per function code: closures made by one ``def`` share them."""
+    owner = compat.compiled_owner(fn)
+    if owner is None:
+        raise TypeError(f"compiled_graphs() takes a function or module given to torch.compile, not {type(fn).__name__}")
+    with _lock:
+        return list(_by_owner.get(owner, ()))
+
+
+@contextlib.contextmanager
+def recording(into: list | None = None) -> Iterator[list[CompiledGraph]]:
+    """``with recording() as records:`` every graph compiled inside the block, in order
+    (appended to ``into`` where given)."""
+    records: list[CompiledGraph] = into if into is not None else []
+    with _lock:
+        _open_recordings.append(records)
+    try:
+        yield records
+    finally:
+        with _lock:
+            _open_recordings.remove(records)

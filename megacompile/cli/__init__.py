@@ -1,0 +1,4 @@
+"""The ``megacompile`` command: ``inspect``, ``plan``, ``calibrate``. Nothing imports it."""
+from megacompile.cli.commands import main
+
+__all__ = ["main"]

@@ -1,0 +1,49 @@
+"""Which optimizer owns a graph's parameters, and whether the fused host kernel can run it.
+
+Found by a scan of live objects (``gc.get_objects``): Dynamo hands the backend tensors, not
+the optimizer, and a user's step may be compiled before or after the optimizer is made.
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.fx as fx
+
+
+def optimizer_of(tensors: dict[int, torch.Tensor]) -> torch.optim.Optimizer | None:
+    """The one live optimizer holding any of ``tensors`` (by id), or None (none, or two)."""
+    found = None
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.optim.Optimizer):  # type(): no __class__ properties run
+            params = [p for group in obj.param_groups for p in group["params"]]
+            if params and any(id(p) in tensors for p in params):
+                if found is not None and found is not obj:
+                    return None  # two optimizers share these tensors: do not guess
+                found = obj
+    return found
+
+
+def fused_kernel_runs(opt: torch.optim.Optimizer, devices: tuple[str, ...] = ("cpu",)) -> bool:
+    """The fused kernel runs ``opt``'s update: a stock Adam / AdamW without amsgrad,
+    capturable or differentiable, over contiguous fp32 parameters on ``devices``."""
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    for group in opt.param_groups:
+        if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
+            return False
+        for p in group["params"]:
+            if p.dtype != torch.float32 or p.device.type not in devices or not p.is_contiguous():
+                return False
+    return True
+
+
+def optimizer_of_graph(gm: fx.GraphModule) -> torch.optim.Optimizer | None:
+    """The live optimizer whose parameters or state a captured host graph holds, if one."""
+    attrs = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target, None)
+            if isinstance(value, torch.Tensor):
+                attrs[id(value)] = value
+    return optimizer_of(attrs) if attrs else None
