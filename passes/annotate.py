@@ -14,6 +14,7 @@ import copy
 import torch.fx as fx
 
 from megacompile.core import torch_compat as compat
+from megacompile.core.enums import Phase, Placement, Role
 from megacompile.core.node_info import (
     META_KEY,
     NodeInfo,
@@ -23,11 +24,13 @@ from megacompile.core.node_info import (
     set_nbytes,
 )
 from megacompile.core.ops import is_memory_op
+from megacompile.passes.contract import PassContract
 
-NAME = "annotate"
-# Whether disable_passes may switch it off (the others are what later passes stand on).
-OPTIONAL = False
-STAGES = ("joint", "forward", "backward", "inference")
+CONTRACT = PassContract(
+    name="annotate",
+    stages=("joint", "forward", "backward", "inference"),
+    provides=frozenset({"annotated"}),
+)
 
 
 def _module_path(node: fx.Node) -> str:
@@ -60,34 +63,34 @@ def run(gm: fx.GraphModule, ctx) -> None:
                 index = int(node.target.split("_")[-1]) - 1 if compat.is_primal(node) else input_index
                 input_index += 1
                 ni.source = ctx.input_names[index]
-                ni.role = ctx.input_roles[index]
+                ni.role = Role(ctx.input_roles[index])
                 ni.layer = _param_layer(ni.source) if ni.role == "param" else None
-                ni.placement = "host"
-                ni.phase = "forward"
+                ni.placement = Placement.HOST
+                ni.phase = Phase.FORWARD
             elif compat.is_tangent(node):
                 ni.source = f"grad_output_{tangent_index}"
                 tangent_index += 1
-                ni.role = "tangent"
-                ni.placement = "host"
-                ni.phase = "backward"
+                ni.role = Role.TANGENT
+                ni.placement = Placement.HOST
+                ni.phase = Phase.BACKWARD
             else:
                 # A value the forward saved for the backward (its NodeInfo was copied from
                 # the forward node): a device activation, unless the plan offloaded it.
-                ni.role = "saved"
-                ni.placement = "host" if ni.decision == "offload" else "device"
+                ni.role = Role.SAVED
+                ni.placement = Placement.HOST if ni.decision == "offload" else Placement.DEVICE
             set_nbytes(ni, node.meta.get("val"))
         elif node.op == "call_function" and not is_memory_op(node):
             ni.layer = layer_of_module_path(_module_path(node))
-            ni.role = "compute"
-            ni.placement = "device"
+            ni.role = Role.COMPUTE
+            ni.placement = Placement.DEVICE
             if ctx.stage == "backward" and compat.is_forward_tagged(node):
-                ni.phase = "recompute"
+                ni.phase = Phase.RECOMPUTE
             elif compat.is_backward_tagged(node):
-                ni.phase = "backward"
+                ni.phase = Phase.BACKWARD
             elif ctx.stage != "backward":
-                ni.phase = "forward"
+                ni.phase = Phase.FORWARD
             else:
-                ni.phase = "backward"
+                ni.phase = Phase.BACKWARD
             val = node.meta.get("val")
             # Views and tuple-producing ops own no bytes: the base / the getitems do.
             if is_view_node(node) or isinstance(val, (tuple, list)):
@@ -95,4 +98,4 @@ def run(gm: fx.GraphModule, ctx) -> None:
             else:
                 set_nbytes(ni, val)
         elif node.op == "output":
-            ni.role = "output"
+            ni.role = Role.OUTPUT

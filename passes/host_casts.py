@@ -23,12 +23,16 @@ import torch
 import torch.fx as fx
 
 from megacompile.core import ops
+from megacompile.core.enums import Placement
 from megacompile.core.node_info import identifier, info, set_nbytes
+from megacompile.passes.contract import PassContract
 
-NAME = "host_casts"
-# Whether disable_passes may switch it off (the others are what later passes stand on).
-OPTIONAL = True
-STAGES = ("joint", "forward", "backward", "inference")
+CONTRACT = PassContract(
+    name="host_casts",
+    stages=("joint", "forward", "backward", "inference"),
+    requires=frozenset({"annotated"}),
+    provides=frozenset({"host_casts_placed"}),
+)
 
 HOST_CAST = "host_cast"
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
@@ -72,7 +76,7 @@ def _returned_to_host(gm: fx.GraphModule, ctx) -> list[fx.Node]:
 
 def _mark_host(node: fx.Node, reason: str) -> None:
     ni = info(node)
-    ni.placement = "host"
+    ni.placement = Placement.HOST
     ni.decision, ni.reason = HOST_CAST, reason
     src = info(node.args[0]).source
     if src and ni.source is None:
@@ -92,7 +96,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         if src.op == "placeholder" and info(src).placement == "host" and _shrinks(node):
             _mark_host(node, f"cast on the host: the load carries {node.meta['val'].element_size()} bytes per "
                              f"element, not {src.meta['val'].element_size()}")
-    if ctx.stage != "joint" and "offload_gradients" not in ctx.options.disable_passes:
+    if ctx.stage != "joint" and "outputs_offloaded" in ctx.coming_facts:
         output = next(iter(gm.graph.find_nodes(op="output")))
         saved = set(list(output.args[0])[ctx.num_user_outputs:]) if ctx.stage == "forward" else set()
         for value in _returned_to_host(gm, ctx):

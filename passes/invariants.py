@@ -29,7 +29,7 @@ class InvariantViolation(AssertionError):
 
 
 def _fail(ctx, message: str) -> None:
-    last = ctx.ran[-1] if ctx.ran else "capture"
+    last = ctx.ran[-1] if ctx.ran else "capture"  # the pass that broke it
     raise InvariantViolation(f"{ctx.stage} graph after pass '{last}': {message}")
 
 
@@ -55,7 +55,7 @@ def check(gm: fx.GraphModule, ctx) -> None:
     if ctx.stage == "joint":
         return
 
-    if "stream_parameters" in ctx.ran:
+    if "parameters_streamed" in ctx.facts:
         for node in nodes:
             if node.op != "call_function":
                 continue
@@ -91,7 +91,7 @@ def check(gm: fx.GraphModule, ctx) -> None:
         for inp in node.all_input_nodes:
             # Before offload_gradients, a gradient's host cast still reads the device value
             # that pass will offload.
-            if info(inp).placement != "host" and "offload_gradients" in ctx.ran:
+            if info(inp).placement != "host" and "outputs_offloaded" in ctx.facts:
                 _fail(ctx, f"host op {node.name} reads device value {inp.name}")
             if inp.target is ops.offload:
                 waits = [u for u in inp.users if u.target is ops.wait]
@@ -101,7 +101,7 @@ def check(gm: fx.GraphModule, ctx) -> None:
     output = next(iter(gm.graph.find_nodes(op="output")))
     outs = list(output.args[0])
     user_outs = outs if ctx.stage != "forward" else outs[: ctx.num_user_outputs]
-    if "offload_gradients" in ctx.ran:
+    if "outputs_offloaded" in ctx.facts:
         for i, value in enumerate(user_outs):
             if isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
                 if info(value).placement != "host":

@@ -18,13 +18,18 @@ import torch
 import torch.fx as fx
 
 from megacompile.core import ops
+from megacompile.core.enums import Placement, Role
 from megacompile.core.node_info import NodeInfo, identifier, info, set_nbytes
+from megacompile.passes.contract import PassContract
 from megacompile.passes.host_casts import is_host_cast
 
-NAME = "offload_gradients"
-# Whether disable_passes may switch it off (the others are what later passes stand on).
-OPTIONAL = True
-STAGES = ("forward", "backward", "inference")
+CONTRACT = PassContract(
+    name="offload_gradients",
+    stages=("forward", "backward", "inference"),
+    requires=frozenset({"annotated"}),
+    uses=frozenset({"host_casts_placed", "parameters_streamed"}),
+    provides=frozenset({"outputs_offloaded"}),
+)
 
 
 def _output_label(ctx, index: int) -> str:
@@ -76,7 +81,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
             host = graph.create_node("call_function", ops.offload, (value, label), name=f"offload__{name}")
         host.meta["val"] = value.meta["val"]
         host.meta["megatrain"] = NodeInfo(
-            layer=info(value).layer, role="memory", phase=info(value).phase, placement="host",
+            layer=info(value).layer, role=Role.MEMORY, phase=info(value).phase, placement=Placement.HOST,
             source=label, decision="offload",
             reason="gradient leaves the device as soon as it is produced" if ctx.stage == "backward"
             else "returned to the user on the host" if index < ctx.num_user_outputs
@@ -96,8 +101,8 @@ def run(gm: fx.GraphModule, ctx) -> None:
             last = max(users, key=order.__getitem__) if users else host
             with graph.inserting_after(last):
                 evict = graph.create_node("call_function", ops.evict, (value,), name=f"evict__{name}")
-            evict.meta["megatrain"] = NodeInfo(layer=info(value).layer, role="memory", phase=info(value).phase,
-                                               placement="device", source=label)
+            evict.meta["megatrain"] = NodeInfo(layer=info(value).layer, role=Role.MEMORY, phase=info(value).phase,
+                                               placement=Placement.DEVICE, source=label)
         offloaded[value] = host
         if cast is not None:
             cast.replace_input_with(value, host)
@@ -106,8 +111,8 @@ def run(gm: fx.GraphModule, ctx) -> None:
     with graph.inserting_before(output):
         for host in offloaded.values():
             wait = graph.create_node("call_function", ops.wait, (host,), name=f"wait__{host.name}")
-            wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role="memory", phase=info(host).phase,
-                                              placement="host", source=info(host).source)
+            wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role=Role.MEMORY, phase=info(host).phase,
+                                              placement=Placement.HOST, source=info(host).source)
     # Host casts read landed copies: they run after the waits, right before the return.
     for cast in host_casts:
         output.prepend(cast)

@@ -31,12 +31,17 @@ import torch.fx as fx
 from megacompile.core import ops
 from megacompile.core import torch_compat as compat
 from megacompile.core.node_info import info, is_view_node
+from megacompile.passes.contract import PassContract
 from megacompile.passes.host_casts import is_host_cast
 
-NAME = "recompute"
-# Whether disable_passes may switch it off (the others are what later passes stand on).
-OPTIONAL = False
-STAGES = ("joint", "backward")
+CONTRACT = PassContract(
+    name="recompute",
+    stages=("joint", "backward"),
+    requires=frozenset({"annotated"}),
+    uses=frozenset({"host_casts_placed", "resident_loads"}),
+    # joint: the saved values are marked under the plan; backward: replays sit before first use
+    provides=frozenset({"recompute_applied"}),
+)
 
 
 def forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
@@ -56,10 +61,12 @@ def forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
     return result
 
 
-def _num_forward_outputs(joint: fx.GraphModule, fwd_set: set) -> int:
+def num_forward_outputs(joint: fx.GraphModule) -> int:
+    """How many of a joint graph's outputs belong to the forward: AOTAutograd's joint graph
+    returns the forward's outputs, then one gradient per primal input."""
     output = next(iter(joint.graph.find_nodes(op="output")))
-    outs = list(output.args[0])
-    return getattr(joint, "_megatrain_num_fwd_outputs", len(outs))
+    primals = sum(1 for n in joint.graph.find_nodes(op="placeholder") if compat.is_primal(n))
+    return len(output.args[0]) - primals
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -117,7 +124,7 @@ class SavedValueWalk:
         output = next(iter(joint.graph.find_nodes(op="output")))
         needed: list[fx.Node] = [n for n in fwd if any(in_backward(u) for u in n.users)]
         # A gradient can be a forward value itself (rare, e.g. an identity); the backward needs it.
-        for out in list(output.args[0])[_num_forward_outputs(joint, fwd_set):]:
+        for out in list(output.args[0])[num_forward_outputs(joint):]:
             if isinstance(out, fx.Node) and out in fwd_set and out not in needed:
                 needed.append(out)
         saved_sym = [n for n in needed if compat.is_sym_node(n)]

@@ -16,12 +16,17 @@ import torch.fx as fx
 
 from megacompile.core import ops
 from megacompile.core import torch_compat as compat
+from megacompile.core.enums import Phase, Placement, Role
 from megacompile.core.node_info import NodeInfo, identifier, info, is_view_node, set_nbytes
+from megacompile.passes.contract import PassContract
 
-NAME = "resident_parameters"
-# Whether disable_passes may switch it off (the others are what later passes stand on).
-OPTIONAL = True
-STAGES = ("joint",)
+CONTRACT = PassContract(
+    name="resident_parameters",
+    stages=("joint",),
+    requires=frozenset({"annotated"}),
+    uses=frozenset({"host_casts_placed"}),
+    provides=frozenset({"resident_loads"}),
+)
 
 
 def used_in_both_phases(joint: fx.GraphModule) -> list[fx.Node]:
@@ -68,7 +73,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         load.meta["val"] = param.meta.get("val")
         load.meta["partitioner_tag"] = "is_forward"
         load.meta["megatrain"] = NodeInfo(
-            layer=info(param).layer, role="memory", phase="forward", placement="device", source=source,
+            layer=info(param).layer, role=Role.MEMORY, phase=Phase.FORWARD, placement=Placement.DEVICE, source=source,
             decision="resident",
             reason=ctx.plan.resident_reason.get(
                 source, "kept on the device for the whole step: one load per step instead of two"),

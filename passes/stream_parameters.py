@@ -20,13 +20,18 @@ from __future__ import annotations
 import torch.fx as fx
 
 from megacompile.core import ops
+from megacompile.core.enums import Placement, Role
 from megacompile.core.node_info import NodeInfo, identifier, info, is_tensor_node, is_view_node, set_nbytes
+from megacompile.passes.contract import PassContract
 from megacompile.passes.host_casts import is_host_op
 
-NAME = "stream_parameters"
-# Whether disable_passes may switch it off (the others are what later passes stand on).
-OPTIONAL = True
-STAGES = ("forward", "backward", "inference")
+CONTRACT = PassContract(
+    name="stream_parameters",
+    stages=("forward", "backward", "inference"),
+    requires=frozenset({"annotated"}),
+    uses=frozenset({"host_casts_placed", "recompute_applied"}),
+    provides=frozenset({"parameters_streamed"}),
+)
 
 
 def layer_runs(compute: list[fx.Node]) -> list[tuple[str | None, int]]:
@@ -71,8 +76,8 @@ def _wait_for_resident_loads(gm: fx.GraphModule, position: dict) -> None:
             continue
         with graph.inserting_before(uses[0]):
             wait = graph.create_node("call_function", ops.wait, (load,), name=f"wait__{identifier(info(load).source)}")
-        wait.meta["megatrain"] = NodeInfo(layer=info(load).layer, role="memory", phase=info(uses[0]).phase,
-                                          placement="device", source=info(load).source)
+        wait.meta["megatrain"] = NodeInfo(layer=info(load).layer, role=Role.MEMORY, phase=info(uses[0]).phase,
+                                          placement=Placement.DEVICE, source=info(load).source)
 
 
 def run(gm: fx.GraphModule, ctx) -> None:
@@ -122,15 +127,15 @@ def run(gm: fx.GraphModule, ctx) -> None:
             load.prepend(host)
         load.meta["val"] = host.meta.get("val")
         load.meta["megatrain"] = NodeInfo(
-            layer=info(host).layer, role="memory", phase=info(first).phase, placement="device",
+            layer=info(host).layer, role=Role.MEMORY, phase=info(first).phase, placement=Placement.DEVICE,
             source=info(host).source,
             decision="stream", reason=reason,
         )
         set_nbytes(load.meta["megatrain"], host.meta.get("val"))
         with graph.inserting_before(first):
             wait = graph.create_node("call_function", ops.wait, (load,), name=f"wait__{name}")
-        wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role="memory", phase=info(first).phase,
-                                          placement="device", source=info(host).source)
+        wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role=Role.MEMORY, phase=info(first).phase,
+                                          placement=Placement.DEVICE, source=info(host).source)
         for user in users:
             user.replace_input_with(host, load)
         # The device copy is dead only when its views are too (``t(weight)`` feeding a
@@ -138,5 +143,5 @@ def run(gm: fx.GraphModule, ctx) -> None:
         last = max(alias_uses(load), key=position.__getitem__, default=last)
         with graph.inserting_after(last):
             evict = graph.create_node("call_function", ops.evict, (load,), name=f"evict__{name}")
-        evict.meta["megatrain"] = NodeInfo(layer=info(host).layer, role="memory", phase=info(last).phase,
-                                           placement="device", source=info(host).source)
+        evict.meta["megatrain"] = NodeInfo(layer=info(host).layer, role=Role.MEMORY, phase=info(last).phase,
+                                           placement=Placement.DEVICE, source=info(host).source)

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import megacompile
 from megacompile.core import ops
 from megacompile.core.node_info import NodeInfo, identifier, info
-from megacompile.passes import PassContext, invariants
+from megacompile.passes import PassContext, facts_after, invariants
 from megacompile.passes.invariants import InvariantViolation
 
 OPS = ("load", "offload", "wait", "evict")
@@ -206,8 +206,10 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _ctx(rec, stage: str) -> PassContext:
     ctx = PassContext(rec.options, stage, rec.plan, [], [], num_user_outputs=1 if stage == "forward" else 0)
+    # The facts that hold once the passes ran on this stage (invariants depend on them).
     ctx.ran = ["annotate", "recompute", "stream_parameters", "offload_gradients"] if stage == "backward" else [
         "annotate", "stream_parameters", "offload_gradients"]
+    ctx.facts = set(facts_after(stage))
     return ctx
 
 

@@ -111,7 +111,7 @@ def _check_finer_decisions(records, generous_plan):
     assert partial.plan.resident and not partial.plan.value_policy
     assert len(partial.plan.resident) < len(generous_plan.resident)
     assert set(partial.plan.resident) == set(partial.plan.resident_reason)
-    assert partial.plan.resident == ["head.weight"]  # the smallest one read by both passes
+    assert partial.plan.resident == ("head.weight",)  # the smallest one read by both passes
     text = next(s.text for s in partial.snapshots if s.graph == "forward" and s.stage == "stream_parameters")
     loads = [line for line in text.splitlines() if "megatrain.load(" in line]
     resident = [line for line in loads if "resident: small and read by both passes" in line]

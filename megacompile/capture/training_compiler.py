@@ -24,7 +24,7 @@ from megacompile.capture.records import CompiledGraph
 from megacompile.capture.repeat_chain import find_repeat_chain, truncated_joint
 from megacompile.core import torch_compat as compat
 from megacompile.core.collector import cycle_collector_paused
-from megacompile.core.errors import BudgetError
+from megacompile.core.errors import BudgetError, UnsupportedGraph
 from megacompile.core.node_info import info, layer_of_module_path
 from megacompile.core.units import format_bytes
 from megacompile.optimizer import overlap
@@ -32,6 +32,7 @@ from megacompile.optimizer.eager_update_watch import EagerUpdateWatch
 from megacompile.optimizer.overlap import ParamInputs
 from megacompile.options import Options
 from megacompile.passes import PassContext, run_passes
+from megacompile.passes.recompute import num_forward_outputs
 from megacompile.passes.resident_parameters import used_in_both_phases
 from megacompile.plan import flat_planner, template_planner
 from megacompile.plan.cost_model import optimizer_param_bytes, remember_flops, step_time
@@ -39,7 +40,7 @@ from megacompile.plan.flat_planner import Attempt, PlanMaker
 from megacompile.plan.hardware import get_profile
 from megacompile.plan.memory_estimate import allocation_granularity, estimate_memory, storage_roots
 from megacompile.plan.template_planner import DEPTHS, MIN_LAYERS, Template
-from megacompile.plan.training_plan import TrainingPlan
+from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 from megacompile.report import RECORDER
 from megacompile.runtime.executor import StreamingProgram
 from megacompile.runtime.segment_cache import SegmentCache
@@ -161,7 +162,9 @@ class TrainingCompiler:
             templates, repeated = [], 0
             _template_failed(e)
         inline_regions.inline_partitioned_regions(joint)
-        joint._megatrain_num_fwd_outputs = num_fwd_outputs
+        if num_forward_outputs(joint) != num_fwd_outputs:  # the recompute pass counts them from the graph
+            raise UnsupportedGraph(f"the joint graph has {num_forward_outputs(joint)} forward outputs by its primals, "
+                                   f"AOTAutograd says {num_fwd_outputs}")
         build = self._builder(joint, num_fwd_outputs)
         layers, both_phases = self._prepare(joint)
         chosen = None
@@ -238,7 +241,7 @@ class TrainingCompiler:
     @torch.compiler.disable
     def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Any:
         inline_regions.inline_nested_regions(gm)  # marked layers' calls, as traced (nothing partitioned)
-        plan = TrainingPlan(policy="inference", budget=self.options.memory_budget)
+        plan = TrainingPlan(PlanSpec(name="inference", budget=self.options.memory_budget))
         ctx = self._ctx("inference", plan)
         run_passes(gm, ctx, keep_snapshots=self.options.keeps_snapshots)
         plan.forward = estimate_memory(gm, keep_outputs_alive=False, lowering=self.options.lowering,

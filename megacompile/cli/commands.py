@@ -352,7 +352,7 @@ def _plan_dict(record) -> dict | None:
     plan = record.plan
     if plan is None:
         return None
-    data = dataclasses.asdict(plan)
+    data = plan.as_dict()
     data.update(peak_bytes=plan.peak_bytes, limiting_layer=plan.limiting_layer,
                 reason=_plan_reason(plan, record.options))
     return data

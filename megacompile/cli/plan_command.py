@@ -77,13 +77,14 @@ from megacompile.core import torch_compat as compat
 from megacompile.core.errors import OptionsError, PlacementError
 from megacompile.core.node_info import has_info, info, layer_of_module_path
 from megacompile.core.units import format_bytes, parse_bytes
+from megacompile.passes import facts_after
 from megacompile.plan import cost_model
 from megacompile.plan import flat_planner as planner
 from megacompile.plan import memory_estimate as plan_mod
 from megacompile.plan.cost_model import COST_KEY, device_flops, roofline_floor
 from megacompile.plan.hardware import HardwareProfile, get_profile, known_profiles
 from megacompile.plan.memory_estimate import storage_root
-from megacompile.plan.training_plan import TrainingPlan
+from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 
 POLICIES = ("keep", "offload", "recompute")
 # The planner's first rung, all or nothing: keep every activation, and keep the parameters both
@@ -277,26 +278,25 @@ def _capture_policies(out: dict, extra_plans: dict | None = None, pairs: bool = 
         options = bound.get("options")
         resident = list(bound.get("resident_candidates") or [])
         disabled = set(getattr(options, "disable_passes", ()) or ())
-        attempts = {"keep": build(TrainingPlan(policy="keep", budget=None, default_policy="keep"))}
-        if resident and not {"resident_parameters", "stream_parameters"} & disabled:
+        attempts = {"keep": build(TrainingPlan(PlanSpec(name="keep")))}
+        if resident and "resident_loads" in facts_after("joint", disabled) \
+                and "parameters_streamed" in facts_after("forward", disabled):
             # The planner's first rung: when everything fits, parameters read by both passes
             # stay on the device for the step (one load per step instead of two).
-            attempts[RESIDENT] = build(TrainingPlan(policy="keep (parameters resident)", budget=None,
-                                                    default_policy="keep", resident=resident))
+            attempts[RESIDENT] = build(TrainingPlan(PlanSpec(name="keep (parameters resident)", resident=resident)))
         only_keep = keep_suffices is not None and keep_suffices(attempts, layers)
         for policy in POLICIES[1:] if not only_keep else ():
-            attempts[policy] = build(TrainingPlan(policy=policy, budget=None, default_policy=policy))
+            attempts[policy] = build(TrainingPlan(PlanSpec(name=policy, default_policy=policy)))
         decoder = [layer for layer in layers if _DECODER_LAYER.search(layer)]
         if pairs and not only_keep and len(decoder) >= 2:
             # The working set of a layer whose predecessor has another policy (its backward
             # prefetches the predecessor's reloads): the first layer under one, the rest under another.
             for prev, cur in PAIRS:
                 policy = {decoder[0]: prev, **{layer: cur for layer in decoder[1:]}}
-                attempts[f"pair:{prev}>{cur}"] = build(TrainingPlan(policy=f"pair {prev}>{cur}", budget=None,
-                                                                    default_policy=cur, layer_policy=policy))
+                attempts[f"pair:{prev}>{cur}"] = build(TrainingPlan(PlanSpec(
+                    name=f"pair {prev}>{cur}", default_policy=cur, layer_policy=policy)))
         for name, layer_policy in (extra_plans or {}).items():
-            attempts[name] = build(TrainingPlan(policy=name, budget=None, default_policy="keep",
-                                                layer_policy=dict(layer_policy)))
+            attempts[name] = build(TrainingPlan(PlanSpec(name=name, layer_policy=layer_policy)))
         out.update(attempts=attempts, layers=list(layers), build_s=time.perf_counter() - t0)
         raise _Traced()
 

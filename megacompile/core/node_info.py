@@ -32,6 +32,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from megacompile.core.enums import Phase, Placement, Role
 from megacompile.core.torch_compat import OpOverload, int_hint
 
 META_KEY = "megatrain"
@@ -45,9 +46,9 @@ BODY_NODE = "megatrain_body_node"
 @dataclasses.dataclass
 class NodeInfo:
     layer: str | None = None
-    role: str = "compute"
-    phase: str = "forward"
-    placement: str = "device"
+    role: Role = Role.COMPUTE
+    phase: Phase = Phase.FORWARD
+    placement: Placement = Placement.DEVICE
     nbytes: Any = 0
     # ``nbytes`` evaluated at the traced example's sizes (what comparisons and peaks use).
     nbytes_hint: int = 0

@@ -353,3 +353,17 @@ def compiled_owner(fn: Any) -> Any:
     fn = getattr(fn, "_torchdynamo_orig_callable", fn)
     fn = inspect.unwrap(getattr(fn, "__func__", fn))
     return getattr(fn, "__code__", None)
+
+
+# --- FX node hooks --------------------------------------------------------------------------
+def add_node_hooks(gm: fx.GraphModule, on_create: Callable[[fx.Node], Any], on_erase: Callable[[fx.Node], Any]) -> None:
+    """Call ``on_create`` / ``on_erase`` for every node created in / erased from ``gm``'s graph
+    (the hooks torch's GraphTransformObserver uses for provenance)."""
+    gm._register_create_node_hook(on_create)
+    gm._register_erase_node_hook(on_erase)
+
+
+def remove_node_hooks(gm: fx.GraphModule, on_create: Callable[[fx.Node], Any],
+                      on_erase: Callable[[fx.Node], Any]) -> None:
+    gm._unregister_create_node_hook(on_create)
+    gm._unregister_erase_node_hook(on_erase)

@@ -34,15 +34,17 @@ from typing import Callable
 import torch.fx as fx
 
 from megacompile.core import ops
+from megacompile.core.enums import Policy
 from megacompile.core.errors import BudgetError
 from megacompile.core.node_info import has_info, info, is_view_node, tensor_nbytes_hint
 from megacompile.core.units import format_bytes
+from megacompile.passes import facts_after
 from megacompile.passes.recompute import SavedValueWalk
 from megacompile.passes.stream_parameters import layer_runs
 from megacompile.plan.cost_model import annotate_costs, cost, is_cpu_standin, simulate, step_time
 from megacompile.plan.memory_estimate import storage_root
 from megacompile.plan.solvers import SOLVERS, Option
-from megacompile.plan.training_plan import TrainingPlan
+from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 
 
 @dataclasses.dataclass
@@ -278,8 +280,8 @@ def _partial_residency(keep: Attempt, hot: list[str], budget: int | None, make, 
         reasons = {p: (f"small and read by both passes ({format_bytes(sizes[p])}): one load per step instead "
                        f"of two; {k} of {len(order)} such parameters fit the budget, smallest first")
                    for p in chosen}
-        return make("keep", name=f"keep (parameters resident: {k} of {len(order)})", resident=chosen,
-                    resident_reason=reasons)
+        return make(PlanSpec(name=f"keep (parameters resident: {k} of {len(order)})", resident=chosen,
+                             resident_reason=reasons))
 
     best = attempt(lo) if lo else None
     if best is not None and best.peak > budget:
@@ -310,16 +312,9 @@ class PlanMaker:
         self.budget = options.memory_budget
         self.builds = 0  # plans built so far (what planning costs grows with it)
 
-    def make(self, default: str, per_layer: dict[str, str] | None = None, name: str = "",
-             resident: list[str] | None = None, per_value: dict[str, str] | None = None,
-             value_reason: dict[str, str] | None = None, resident_reason: dict[str, str] | None = None,
-             prefetch: dict[str, int] | None = None, prefetch_reason: dict[str, str] | None = None,
-             snapshots: bool = False) -> Attempt:
-        plan = TrainingPlan(policy=name or default, budget=self.budget, default_policy=default,
-                            layer_policy=dict(per_layer or {}), resident=list(resident or []),
-                            value_policy=dict(per_value or {}), value_reason=dict(value_reason or {}),
-                            resident_reason=dict(resident_reason or {}),
-                            prefetch=dict(prefetch or {}), prefetch_reason=dict(prefetch_reason or {}))
+    def make(self, spec: PlanSpec, snapshots: bool = False) -> Attempt:
+        """Builds ``spec`` under this maker's budget."""
+        plan = TrainingPlan(spec.replace(budget=self.budget))
         # Only a plan likely to be chosen as built is built with inspect's snapshots; the
         # caller builds the chosen plan again with them if it has none.
         self.builds += 1
@@ -345,8 +340,8 @@ class PlanMaker:
                                f"{_us(stall)} for this load (cost model)")
         if prefetch == p.prefetch:
             return None
-        deeper = self.make(p.default_policy, p.layer_policy, f"{p.policy}, deeper prefetch for {len(stalls)} value(s)",
-                           p.resident, p.value_policy, p.value_reason, p.resident_reason, prefetch, reasons)
+        deeper = self.make(p.spec.replace(name=f"{p.policy}, deeper prefetch for {len(stalls)} value(s)",
+                                          prefetch=prefetch, prefetch_reason=reasons))
         deeper.plan.layer_costs = dict(p.layer_costs)
         return deeper
 
@@ -380,33 +375,36 @@ def plan_training(
                                                         maker.with_tuned_prefetch)
 
     if options.recompute == "always":
-        a = make("recompute")
+        a = make(PlanSpec(name="recompute", default_policy=Policy.RECOMPUTE))
         if fits(a):
             return a
         _raise([a], budget)
 
-    if resident_candidates and not {"resident_parameters", "stream_parameters"} & set(options.disable_passes):
+    # Partial residency needs the passes that make a parameter resident and stream the rest.
+    streams_and_keeps_resident = ("resident_loads" in facts_after("joint", options.disable_passes)
+                                  and "parameters_streamed" in facts_after("forward", options.disable_passes))
+    if resident_candidates and streams_and_keeps_resident:
         # Room for everything: parameters used by both passes stay on the device for the
         # step (one load per step instead of two).
-        roomy = make("keep", name="keep (parameters resident)", resident=resident_candidates, snapshots=True)
+        roomy = make(PlanSpec(name="keep (parameters resident)", resident=resident_candidates), snapshots=True)
         if fits(roomy):
             roomy.plan.reason = (f"everything fits with {len(resident_candidates)} parameter(s) resident for the "
                                  f"step: one load each per step instead of two")
             return roomy
-    keep = make("keep")
+    keep = make(PlanSpec(name="keep"))
     if fits(keep):
-        if resident_candidates and not {"resident_parameters", "stream_parameters"} & set(options.disable_passes):
+        if resident_candidates and streams_and_keeps_resident:
             return with_tuned_prefetch(_partial_residency(keep, resident_candidates, budget, make, predict_seconds))
         return with_tuned_prefetch(keep)
 
     # The candidate ladder: built plans from least to most aggressive. Each is built for
     # real, so its peak is the one the runtime will see, and priced by the cost model.
     candidates: list[Attempt] = [keep]
-    offload_all = make("offload", name="offload (all layers)")
+    offload_all = make(PlanSpec(name="offload (all layers)", default_policy=Policy.OFFLOAD))
     candidates.append(offload_all)
     recompute_all = None
     if allow_recompute:
-        recompute_all = make("recompute", name="recompute (all layers)")
+        recompute_all = make(PlanSpec(name="recompute (all layers)", default_policy=Policy.RECOMPUTE))
         candidates.append(recompute_all)
     floor = min(c.peak for c in candidates)
 
@@ -443,7 +441,8 @@ def plan_training(
         seen.add(tuple(picks))
         per_layer = {layer: items[i][j].name for i, (layer, j) in enumerate(zip(layers, picks))}
         counts = {p: sum(1 for v in per_layer.values() if v == p) for p in ("keep", "offload", "recompute")}
-        a = make("keep", per_layer, name="per-layer (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")")
+        a = make(PlanSpec(name="per-layer (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")",
+                          layer_policy=per_layer))
         a.plan.layer_costs = {layer: dataclasses.asdict(items[i][j]) for i, (layer, j) in enumerate(zip(layers, picks))}
         candidates.append(a)
     # Fine: one decision per saved activation (per storage group), priced one by one.
@@ -456,8 +455,8 @@ def plan_training(
                     reasons[member] = g.reason(j)
             counts = {p: sum(1 for g, j in zip(groups, picks) if g.options[j].name == p)
                       for p in ("keep", "offload", "recompute")}
-            a = make("keep", name="per-activation (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")",
-                     per_value=per_value, value_reason=reasons)
+            a = make(PlanSpec(name="per-activation (" + ", ".join(f"{n} {p}" for p, n in counts.items() if n) + ")",
+                              value_policy=per_value, value_reason=reasons))
             a.plan.layer_costs = {g.root: dataclasses.asdict(g.options[j]) for g, j in zip(groups, picks)}
             candidates.append(a)
 

@@ -31,6 +31,7 @@ from megacompile.core.node_info import BODY_NODE
 from megacompile.core.units import format_bytes
 from megacompile.plan.flat_planner import Attempt, PlanMaker, ladder_of, saved_groups, solver_mixes
 from megacompile.plan.solvers import SOLVERS, Option
+from megacompile.plan.training_plan import PlanSpec
 
 # The two short copies of the step: k layers each (the chain's first k-1 and its last).
 DEPTHS = (3, 4)
@@ -67,8 +68,8 @@ class Spec:
             chosen = self.by_origin.get(origin) if origin is not None else self.by_name.get(node.name)
             if chosen is not None:
                 per_value[node.name], reasons[node.name] = chosen
-        return maker.make(self.default, name=self.name, per_value=per_value, value_reason=reasons,
-                          snapshots=snapshots)
+        return maker.make(PlanSpec(name=self.name, default_policy=self.default, value_policy=per_value,
+                                   value_reason=reasons), snapshots=snapshots)
 
 
 @dataclasses.dataclass

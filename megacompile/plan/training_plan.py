@@ -1,43 +1,102 @@
-"""What a plan decides for one training graph, and what building it measured."""
+"""A plan for one training graph: the decisions (``PlanSpec``, frozen) and what building them
+gave (``TrainingPlan``: saved values, memory estimates, predicted time, the planner's notes).
+
+The planners state a ``PlanSpec``; ``build(spec)`` runs the passes under it and returns the
+``TrainingPlan`` the compiler keeps. The spec's fields read through on the plan
+(``plan.layer_policy``), so a reader need not know which half a field lives in.
+"""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
+from megacompile.core.enums import Policy
 from megacompile.plan.memory_estimate import MemoryEstimate
+
+
+class FrozenMap(dict):
+    """A dict that refuses changes: the mappings of a ``PlanSpec``."""
+
+    def _frozen(self, *args: Any, **kwargs: Any):
+        raise TypeError("a PlanSpec is frozen: make a new one with spec.replace(...)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _frozen  # type: ignore
+
+    def __reduce__(self):  # copy / deepcopy / pickle rebuild it whole instead of item by item
+        return (FrozenMap, (dict(self),))
+
+
+def _policies(mapping: Mapping[str, str] | None) -> FrozenMap:
+    return FrozenMap((k, Policy(v)) for k, v in (mapping or {}).items())
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSpec:
+    """What a planner decides for one graph, before anything is built."""
+
+    # A summary: keep | recompute | offload | per-layer (...) | per-activation (...)
+    name: str = "keep"
+    # Per layer (keep | offload | recompute); layers not listed use default_policy.
+    default_policy: Policy = Policy.KEEP
+    layer_policy: Mapping[str, Policy] = dataclasses.field(default_factory=FrozenMap)
+    # Per saved activation (joint node name), with the planner's reason; overrides
+    # layer_policy for the values it names (every value sharing one storage gets one entry).
+    value_policy: Mapping[str, Policy] = dataclasses.field(default_factory=FrozenMap)
+    value_reason: Mapping[str, str] = dataclasses.field(default_factory=FrozenMap)
+    # Parameters (by name) loaded once per step and kept on the device through the backward.
+    resident: tuple[str, ...] = ()
+    resident_reason: Mapping[str, str] = dataclasses.field(default_factory=FrozenMap)
+    # Layers ahead each streamed parameter is loaded (others: options.prefetch_depth), and why.
+    prefetch: Mapping[str, int] = dataclasses.field(default_factory=FrozenMap)
+    prefetch_reason: Mapping[str, str] = dataclasses.field(default_factory=FrozenMap)
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # normalising a frozen dataclass's own fields
+        set_(self, "default_policy", Policy(self.default_policy))
+        set_(self, "layer_policy", _policies(self.layer_policy))
+        set_(self, "value_policy", _policies(self.value_policy))
+        set_(self, "resident", tuple(self.resident))
+        for name in ("value_reason", "resident_reason", "prefetch", "prefetch_reason"):
+            set_(self, name, FrozenMap(getattr(self, name) or {}))
+
+    def replace(self, **changes: Any) -> "PlanSpec":
+        return dataclasses.replace(self, **changes)
+
+    def policy_of_layer(self, layer: str | None) -> Policy:
+        return self.layer_policy.get(layer, self.default_policy) if layer is not None else self.default_policy
 
 
 @dataclasses.dataclass
 class TrainingPlan:
-    policy: str = "keep"  # a summary: keep | recompute | offload | per-layer (...)
-    # Per-layer decision (keep | offload | recompute); layers not listed use default_policy.
-    default_policy: str = "keep"
-    layer_policy: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Per saved activation: joint node name -> keep | offload | recompute, with the reason the
-    # planner gives; overrides ``layer_policy`` for the values it names (every value that
-    # shares one storage gets the same decision).
-    value_policy: dict[str, str] = dataclasses.field(default_factory=dict)
-    value_reason: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Parameters (by name) loaded once per step and kept on the device through the backward.
-    resident: list[str] = dataclasses.field(default_factory=list)
-    # Why each resident parameter is resident (parameter name -> reason).
-    resident_reason: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Prefetch depth per streamed parameter (parameter name -> layers ahead) and why; the
-    # others use ``options.prefetch_depth``.
-    prefetch: dict[str, int] = dataclasses.field(default_factory=dict)
-    prefetch_reason: dict[str, str] = dataclasses.field(default_factory=dict)
-    # The solver's price of each layer's chosen option (bytes freed, seconds added).
-    layer_costs: dict[str, dict] = dataclasses.field(default_factory=dict)
-    # The cost model's predicted step time of this plan (seconds), when the planner priced it.
-    predicted_seconds: float | None = None
-    budget: int | None = None
+    """A built plan: its spec, and what building it under the passes gave."""
+
+    spec: PlanSpec = dataclasses.field(default_factory=PlanSpec)
+    # Written by the recompute pass: the forward values saved for the backward (and the sizes
+    # it needs), and the forward ops the backward replays.
     saved_values: list[str] = dataclasses.field(default_factory=list)
     saved_sym_nodes: list[str] = dataclasses.field(default_factory=list)
     recomputed_ops: list[str] = dataclasses.field(default_factory=list)
     forward: MemoryEstimate | None = None
     backward: MemoryEstimate | None = None
+    # The planner's notes once built: predicted step time (seconds), why it was chosen, the
+    # solver's price of each layer's option, and, planned on short copies, their numbers.
+    predicted_seconds: float | None = None
     reason: str = ""
-    # Planned on short copies of the step (template_planner): its numbers, else None.
+    layer_costs: dict[str, dict] = dataclasses.field(default_factory=dict)
     template: dict | None = None
+
+    # The spec's fields, read through.
+    policy = property(lambda self: self.spec.name)
+    default_policy = property(lambda self: self.spec.default_policy)
+    layer_policy = property(lambda self: self.spec.layer_policy)
+    value_policy = property(lambda self: self.spec.value_policy)
+    value_reason = property(lambda self: self.spec.value_reason)
+    resident = property(lambda self: self.spec.resident)
+    resident_reason = property(lambda self: self.spec.resident_reason)
+    prefetch = property(lambda self: self.spec.prefetch)
+    prefetch_reason = property(lambda self: self.spec.prefetch_reason)
+    budget = property(lambda self: self.spec.budget)
 
     @property
     def peak_bytes(self) -> int:
@@ -49,3 +108,12 @@ class TrainingPlan:
         if not ests:
             return None
         return max(ests, key=lambda e: e.peak_bytes).peak_layer
+
+    def as_dict(self) -> dict[str, Any]:
+        """The spec's fields and the results in one flat dict (inspect's JSON)."""
+        data = dataclasses.asdict(self)
+        spec = data.pop("spec")
+        spec["policy"] = spec.pop("name")
+        return {**spec, **data}
+
+
