@@ -57,6 +57,9 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -164,7 +167,9 @@ bool cpu_has_v4() {
 
 namespace isa_x86_64_v3 {
 #define MC_ISA_ATTR MC_V3_ATTR
+#define MC_ISA_AVX2_LINES 1
 #include "host_adam_isa.h"
+#undef MC_ISA_AVX2_LINES
 #undef MC_ISA_ATTR
 }  // namespace isa_x86_64_v3
 
