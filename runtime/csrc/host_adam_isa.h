@@ -54,13 +54,14 @@ inline void adam_element(float* __restrict p, const GradT* __restrict g, float* 
 // AVX2 main loop: 16 elements, i.e. one 64-byte cache line of each of the four streams,
 // per iteration, each stream's two 8-float halves loaded and stored back to back. The
 // vectorizer's loop (8 floats per iteration, the four streams interleaved) touches every
-// line of every stream twice, alternating with the other streams; when the streams lie at
-// the same address modulo 2^28 (equal-sized tensors allocated one after another, as in
-// benchmarks/host_adamw.py) their lines collide in the L1 data cache of AMD Zen CPUs
-// (same set, same way-predictor tag) and evict each other at every access: 4x slower on one
-// Zen 3 core, 1.5x on two. Loading whole lines halves the misses in that case and changes
-// nothing otherwise. Same operations in the same order as adam_element (checked bitwise
-// against the other targets by tests/test_host_adam.py).
+// line of every stream twice, alternating with the other streams. When the streams' addresses
+// agree in their low 21 or more bits (equal-sized tensors allocated group after group, as
+// benchmarks/host_adamw.py once did: p and g 2^28 bytes apart) their lines collide in the
+// L1 data cache of AMD Zen CPUs and evict each other: the vectorizer's loop ran 4x slower on one Zen 3 core, 1.5x on two
+// (the trivial rmw probe loop too). Whole lines at a time took one core from 4.2 to 2.3 ns
+// per element there, and measured the same as the vectorizer's loop for other layouts. Same
+// operations in the same order as adam_element (checked bitwise against the other targets
+// by tests/test_host_adam.py).
 template <typename GradT>
 MC_ISA_ATTR inline __m256 load8_grad(const GradT* g);
 template <>
