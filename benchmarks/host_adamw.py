@@ -1,6 +1,7 @@
 """Host (CPU) AdamW throughput: megacompile's fused kernel vs torch, vs memory bandwidth.
 
-Usage:  python benchmarks/host_adamw.py [--params 64M] [--repeats 7] [--threads N] [--no-save]
+Usage:  python benchmarks/host_adamw.py [--params 64M] [--repeats 7] [--threads N]
+                                        [--target x86-64-v3] [--no-save]
 
 Everything is measured in one process on the same buffers, with the variants interleaved
 (each repeat runs every variant once, in a rotated order), so a noisy or throttling
@@ -13,7 +14,8 @@ is 28 B x parameters / time, i.e. the minimum traffic, whatever the implementati
 moves (torch's for-each/foreach paths make several passes and move much more).
 
 Bandwidth references, all C++ loops in the same extension (same compiler, flags and
-OpenMP pool as the kernel), over buffers of the same total size as the model:
+OpenMP pool and instruction-set target as the kernel), over buffers of the same total
+size as the model:
   * rmw   : p += g; m += g; v += g, Adam's exact access pattern with trivial math
             (28 B/element). The ceiling for any one-pass optimizer step on this machine.
   * triad : a = b + s*c, STREAM's triad, counted STREAM's way (12 B/element; the
@@ -30,6 +32,7 @@ import importlib.util
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -110,6 +113,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats per variant (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--target", default=None,
+                    help="the kernel's instruction-set target, e.g. x86-64, x86-64-v3, x86-64-v4 "
+                         "(default: the best this CPU supports)")
     ap.add_argument("--no-foreach-false", action="store_true", help="skip the slow foreach=False reference")
     ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
     args = ap.parse_args()
@@ -125,6 +131,7 @@ def main() -> int:
         print(f"host Adam kernel unavailable: {status.reason}", file=sys.stderr)
         return 1
     ops = host_adam.load_extension()
+    target = args.target or status.target
 
     n = args.params
     shapes = model_like_shapes(n)
@@ -139,15 +146,23 @@ def main() -> int:
         p.grad = torch.randn_like(p)
     grads = [p.grad for p in params]
 
-    ours_m = [torch.zeros(k) for k in shapes]
-    ours_v = [torch.zeros(k) for k in shapes]
+    # Our state is allocated as megatrain's host optimizer allocates it (and as torch.optim
+    # does for the torch variants): per parameter, exp_avg then exp_avg_sq. Allocating all
+    # exp_avgs and then all exp_avg_sqs instead puts the four streams of each tensor at
+    # addresses equal modulo 2^21 or more (each group totals 2^28 bytes at 64M params),
+    # where AMD Zen's L1 data cache aliases them (see runtime/csrc/host_adam_isa.h): the
+    # kernel ran 2x (one thread) to 1.5x (two) slower there, and only ours had that layout.
+    ours_m, ours_v = [], []
+    for k in shapes:
+        ours_m.append(torch.zeros(k))
+        ours_v.append(torch.zeros(k))
     ours_steps = [torch.tensor(0.0) for _ in shapes]
     plist = [p.detach() for p in params]
 
     def ours():
         host_adam.fused_adam_step(
             plist, grads, ours_m, ours_v, ours_steps, lr=lr, beta1=betas[0], beta2=betas[1],
-            eps=eps, weight_decay=wd, decoupled=True,
+            eps=eps, weight_decay=wd, decoupled=True, target=target,
         )
 
     def torch_opt(**kw):
@@ -164,9 +179,9 @@ def main() -> int:
     # Bandwidth probes over separate buffers of the same total size.
     a, b, c, d = (torch.rand(n) for _ in range(4))
     probes = {
-        "rmw 4R/3W (C++ loop)": (lambda: ops.stream_rmw(a, b, c, d), 28),
-        "triad a=b+s*c (C++ loop)": (lambda: ops.stream_triad(a, b, c, 1.0001), 12),
-        "copy a=b (C++ loop)": (lambda: ops.stream_copy(a, b), 8),
+        "rmw 4R/3W (C++ loop)": (lambda: ops.stream_rmw(a, b, c, d, 0, target), 28),
+        "triad a=b+s*c (C++ loop)": (lambda: ops.stream_triad(a, b, c, 1.0001, 0, target), 12),
+        "copy a=b (C++ loop)": (lambda: ops.stream_copy(a, b, 0, target), 8),
     }
 
     load_before = os.getloadavg()
@@ -196,13 +211,15 @@ def main() -> int:
     lines = []
     now = datetime.datetime.now()
     lines.append(f"host AdamW benchmark  {now:%Y-%m-%d %H:%M}  ({machine_tag()})")
+    python = os.path.relpath(sys.executable)
+    lines.append(f"command: {shlex.join([python if not python.startswith('..') else sys.executable] + sys.argv)}")
     lines.append(
         f"cpu: {cpu_model()} x{os.cpu_count()} logical, ISA: {isa_summary()}; torch {torch.__version__}, "
         f"threads {threads}, python {platform.python_version()}"
     )
     lines.append(
-        f"kernel build: {'portable (no -march=native)' if status.portable else '-march=native'}, "
-        f"load/build took {build_s:.1f} s"
+        f"kernel: target {target} (compiled: {', '.join(status.compiled_targets)}; "
+        f"this CPU runs: {', '.join(status.cpu_targets)}), load/build took {build_s:.1f} s"
     )
     lines.append(
         f"problem: {n:,} fp32 params in {len(shapes)} tensors (transformer-like list), AdamW "

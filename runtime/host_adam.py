@@ -10,18 +10,27 @@ Numerics match ``torch.optim.Adam`` / ``torch.optim.AdamW`` with ``foreach=False
 float32 sqrt is correctly rounded while ATen's (MKL) is not always, which moves a small
 fraction of elements by about one ulp of their update. See the C++ file for details.
 
+Instruction-set targets: the library is compiled without ``-march=native``; it holds the
+loops once per target (on x86-64: ``"x86-64"`` baseline, ``"x86-64-v3"`` AVX2+FMA,
+``"x86-64-v4"`` AVX-512; elsewhere ``"default"``) and uses the best one the running CPU
+supports. All targets give bitwise the same results (only correctly rounded IEEE
+operations); ``target=`` picks one explicitly, e.g. to test or benchmark it.
+
 Public API::
 
-    host_adam_available() -> HostAdamStatus        # falsy with .reason if no kernel
+    host_adam_available() -> HostAdamStatus        # falsy with .reason if no kernel;
+                                                    # .target, .compiled_targets, .cpu_targets
     load_extension(verbose=False)                   # build/load; raises HostAdamUnavailable
+    library_path()                                  # the loaded .so, once loaded
     fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
-                    eps, weight_decay, decoupled, maximize, num_threads=None)
+                    eps, weight_decay, decoupled, maximize, num_threads=None, target=None)
     torch_fused_adam_step(...)                      # same signature, torch's fused CPU op
 
 The build cache lives in ``$TORCH_EXTENSIONS_DIR/<name>`` if that variable is set, else
-``~/.cache/megacompile/torch_extensions/<name>``; ``<name>`` hashes the CPU's feature
-flags, torch and Python versions, because the kernel is compiled with ``-march=native``
-and a home directory may be shared between different machines.
+``~/.cache/megacompile/torch_extensions/<name>``; ``<name>`` names the targets built in and
+hashes the compiler flags, the sources, the architecture and the torch and Python versions.
+The library does not depend on the CPU model, so one cache can serve every machine of an
+architecture that shares a home directory.
 """
 from __future__ import annotations
 
@@ -44,6 +53,7 @@ __all__ = [
     "HostAdamUnavailable",
     "fused_adam_step",
     "host_adam_available",
+    "library_path",
     "load_extension",
     "torch_fused_adam_step",
 ]
@@ -51,12 +61,17 @@ __all__ = [
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "host_adam.cpp"
 _OPS_NAMESPACE = "megacompile_host_adam"
 
+_ISA_HEADER = _SOURCE.parent / "host_adam_isa.h"
+
 # -ffp-contract=off: the kernel spells out every fma that ATen performs; letting the
 # compiler contract other a*b+c patterns would change rounding vs torch.
 # -fno-math-errno: lets std::sqrt become a vector sqrt instruction (it never sees a
 # negative input here); neither this nor -fno-trapping-math changes any result.
+# No -march: each instruction-set target is a function attribute in the source, so the
+# library runs on any CPU of the architecture and picks its loops at run time.
 _COMMON_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
-_NATIVE_CFLAGS = ["-march=native"]
+# Fallback for a compiler that rejects the target attributes: the baseline loops alone.
+_BASELINE_ONLY_CFLAGS = ["-DMEGACOMPILE_HOST_ADAM_BASELINE_ONLY"]
 
 
 class HostAdamUnavailable(RuntimeError):
@@ -77,8 +92,10 @@ class HostAdamStatus:
 
     available: bool
     reason: Optional[str] = None  # why not, when unavailable
-    portable: bool = False  # built without -march=native (the native build failed)
     toolchain_missing: bool = False  # no compiler/ninja, as opposed to a build failure
+    target: Optional[str] = None  # the instruction-set target fused_adam_step uses here
+    compiled_targets: tuple[str, ...] = ()  # all targets in the library (most portable first)
+    cpu_targets: tuple[str, ...] = ()  # those this CPU can execute
 
     def __bool__(self) -> bool:
         return self.available
@@ -87,23 +104,7 @@ class HostAdamStatus:
 _lock = threading.Lock()
 _ops = None  # torch.ops.megacompile_host_adam once loaded
 _error: Optional[HostAdamUnavailable] = None  # sticky: a failure is not retried in this process
-_portable = False
-
-
-def _cpu_fingerprint() -> str:
-    """Identifies the instruction set the native build targets."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip().lower()
-                if key in ("flags", "features", "model name"):
-                    flags += line
-                if key in ("flags", "features"):
-                    break  # the first CPU's block is enough
-    except OSError:
-        pass
-    return platform.machine() + "\n" + flags
+_library: Optional[Path] = None  # the loaded shared library
 
 
 def _build_directory(name: str) -> Path:
@@ -114,17 +115,32 @@ def _build_directory(name: str) -> Path:
     return path
 
 
-def _extension_name(portable: bool) -> str:
+def _cflags(baseline_only: bool) -> list[str]:
+    return _COMMON_CFLAGS + (_BASELINE_ONLY_CFLAGS if baseline_only else [])
+
+
+def _targets_tag(baseline_only: bool) -> str:
+    """The targets a build holds, for its name (the C++ file defines the same list)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "default"
+    return "x86_64" if baseline_only else "x86_64_v3_v4"
+
+
+def _extension_name(baseline_only: bool) -> str:
+    # The header is not a `source` of the build, so torch's own change detection does not
+    # see it: its content goes into the name (as does the .cpp's, for the same reason).
     key = "\n".join(
         [
             torch.__version__,
             sys.version.split()[0],
-            _cpu_fingerprint(),
-            " ".join(_COMMON_CFLAGS + ([] if portable else _NATIVE_CFLAGS)),
+            platform.machine(),
+            os.environ.get("CXX", "c++"),
+            " ".join(_cflags(baseline_only)),
+            hashlib.sha256(_SOURCE.read_bytes() + _ISA_HEADER.read_bytes()).hexdigest(),
         ]
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return f"megacompile_host_adam_{'portable_' if portable else ''}{digest}"
+    return f"megacompile_host_adam_{_targets_tag(baseline_only)}_{digest}"
 
 
 def _ensure_toolchain() -> None:
@@ -151,20 +167,22 @@ def _ensure_toolchain() -> None:
         )
 
 
-def _build(portable: bool, verbose: bool) -> None:
+def _build(baseline_only: bool, verbose: bool) -> Path:
     from torch.utils.cpp_extension import load  # lazy: imports setuptools; only a build needs it
 
-    name = _extension_name(portable)
+    name = _extension_name(baseline_only)
+    directory = _build_directory(name)
     load(
         name=name,
         sources=[str(_SOURCE)],
-        extra_cflags=_COMMON_CFLAGS + ([] if portable else _NATIVE_CFLAGS),
+        extra_cflags=_cflags(baseline_only),
         extra_ldflags=["-fopenmp"],
-        build_directory=str(_build_directory(name)),
+        build_directory=str(directory),
         # The ops register themselves with TORCH_LIBRARY; no Python module to import.
         is_python_module=False,
         verbose=verbose,
     )
+    return directory / f"{name}.so"
 
 
 def load_extension(verbose: bool = False):
@@ -173,7 +191,7 @@ def load_extension(verbose: bool = False):
     Raises :class:`HostAdamUnavailable` with the reason if it cannot be built. A failure is
     remembered for the life of the process so that callers can fall back cheaply.
     """
-    global _ops, _error, _portable
+    global _ops, _error, _library
     if _ops is not None:
         return _ops
     with _lock:
@@ -181,42 +199,55 @@ def load_extension(verbose: bool = False):
             return _ops
         if _error is not None:
             raise HostAdamUnavailable(str(_error), _error.toolchain_missing)
-        if not _SOURCE.is_file():
-            _error = HostAdamUnavailable(f"kernel source not found: {_SOURCE}")
-            raise _error
+        for path in (_SOURCE, _ISA_HEADER):
+            if not path.is_file():
+                _error = HostAdamUnavailable(f"kernel source not found: {path}")
+                raise _error
         try:
             _ensure_toolchain()
         except HostAdamUnavailable as exc:
             _error = exc
             raise
-        native_error = None
-        for portable in (False, True):
+        targets_error = None
+        for baseline_only in (False, True):
             try:
-                _build(portable, verbose)
+                library = _build(baseline_only, verbose)
             except Exception as exc:  # compiler errors surface as RuntimeError/OSError
-                if not portable:
-                    # -march=native can fail on an exotic compiler/CPU pair; a portable
-                    # build is slower but still one pass over memory.
-                    native_error = exc
+                if not baseline_only:
+                    # A compiler that rejects the target attributes: the baseline loops
+                    # alone are slower on wide-vector CPUs but still one pass over memory.
+                    targets_error = exc
                     continue
                 _error = HostAdamUnavailable(
                     "failed to build the host Adam kernel "
-                    f"(native: {native_error}; portable: {exc})"
+                    f"(with ISA targets: {targets_error}; baseline only: {exc})"
                 )
                 raise _error from exc
-            _portable = portable
+            _library = library
             break
         _ops = getattr(torch.ops, _OPS_NAMESPACE)
         return _ops
 
 
+def library_path() -> Optional[Path]:
+    """The loaded kernel library (after :func:`load_extension`), e.g. to inspect its code."""
+    return _library
+
+
 def host_adam_available(verbose: bool = False) -> HostAdamStatus:
     """Whether the kernel can be used, building it if needed (never raises)."""
     try:
-        load_extension(verbose=verbose)
+        ops = load_extension(verbose=verbose)
     except HostAdamUnavailable as exc:
         return HostAdamStatus(False, str(exc), toolchain_missing=exc.toolchain_missing)
-    return HostAdamStatus(True, None, portable=_portable)
+    cpu = tuple(ops.cpu_targets())
+    return HostAdamStatus(
+        True,
+        None,
+        target=cpu[-1],
+        compiled_targets=tuple(ops.compiled_targets()),
+        cpu_targets=cpu,
+    )
 
 
 StepsArg = Union[Sequence[torch.Tensor], Sequence[float], torch.Tensor, int, float]
@@ -248,6 +279,7 @@ def fused_adam_step(
     decoupled: bool,
     maximize: bool = False,
     num_threads: Optional[int] = None,
+    target: Optional[str] = None,
 ) -> None:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) update, in place.
 
@@ -262,6 +294,9 @@ def fused_adam_step(
     Numbers are used as given; tensors are incremented first.
     ``weight_decay`` is decoupled (AdamW: ``p *= 1 - lr*wd``) or L2 (Adam: ``g += wd*p``).
     ``num_threads``: OpenMP threads; default torch.get_num_threads().
+    ``target``: the instruction-set target to run (see the module docstring); default the
+    best this CPU supports. A target the CPU cannot execute raises RuntimeError. The result
+    does not depend on it.
 
     Equivalent to ``torch.optim.AdamW/Adam(..., foreach=False).step()`` for those tensors
     (amsgrad, capturable and differentiable are not supported). Runs without the GIL.
@@ -295,6 +330,7 @@ def fused_adam_step(
             bool(decoupled),
             bool(maximize),
             int(num_threads or 0),
+            target or "",
         )
 
 
@@ -313,14 +349,15 @@ def torch_fused_adam_step(
     decoupled: bool,
     maximize: bool = False,
     num_threads: Optional[int] = None,
+    target: Optional[str] = None,
 ) -> None:
     """Fallback with :func:`fused_adam_step`'s signature on torch's fused CPU Adam.
 
     Same update rule, but torch's fused kernel rounds differently from the for-loop
-    implementation (it is not bitwise equal to ``foreach=False``). ``num_threads`` is
-    ignored (torch uses its intra-op pool).
+    implementation (it is not bitwise equal to ``foreach=False``). ``num_threads`` and
+    ``target`` are ignored (torch uses its intra-op pool and its own CPU dispatch).
     """
-    del num_threads
+    del num_threads, target
     _check_lengths(params, grads, exp_avgs, exp_avg_sqs, steps)
     if len(params) == 0:
         return

@@ -27,15 +27,24 @@
 // cannot fuse anything ATen does not fuse; the fmas above are spelled out with std::fma.
 //
 // The one intended difference: on MKL builds of torch (the x86 pip wheels) ATen's float32
-// sqrt is MKL's vsSqrt (at::vml), which puts about 0.7% of results 1 ulp away from the
-// correctly rounded value; we use the IEEE correctly rounded sqrt instruction. Elements
-// where that matters differ from torch by about 1 ulp of the update. With a correctly
-// rounded sqrt swapped into torch's op sequence the results are bitwise equal
-// (tests/test_host_adam.py checks both).
+// sqrt is MKL's vsSqrt (at::vml) in its default "HA" mode, documented to be within 1 ulp
+// of the exact root but not correctly rounded: measured, 0.7% of results are the other
+// neighbour of the exact root on an Intel Xeon and 17% on an AMD EPYC (Zen 3), where MKL
+// runs another code path (error up to 0.75 ulp). We use the IEEE correctly rounded sqrt
+// instruction. Elements where that matters differ from torch by about 1 ulp of the update
+// (tests/test_host_adam.py derives and asserts the bound); with a correctly rounded sqrt
+// swapped into torch's op sequence the results are bitwise equal.
+//
+// Instruction sets: the library is compiled without -march, so its numerics do not depend
+// on the machine that built it. The loops (host_adam_isa.h) are compiled several times
+// with function target attributes: baseline x86-64, x86-64-v3 (AVX2+FMA) and x86-64-v4
+// (AVX-512); the best the running CPU supports is used unless the caller names one. All
+// operations above are correctly rounded IEEE operations (no reductions, no reciprocal
+// approximations), so every target gives bitwise the same result.
 //
 // The file also contains STREAM-like loops (copy, triad, and a 4-read/3-write stream with
 // Adam's access pattern) used only by benchmarks/host_adamw.py to measure the machine's
-// memory bandwidth with the same compiler, flags and threading as the kernel.
+// memory bandwidth with the same compiler, flags, vector target and threading as the kernel.
 //
 // Ops are registered with TORCH_LIBRARY rather than pybind11: the dispatcher headers
 // compile several times faster than <torch/extension.h> (the kernel is JIT-built on first
@@ -48,11 +57,15 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -104,69 +117,139 @@ Coeffs make_coeffs(const Hyper& h, double step) {
   return c;
 }
 
-inline float load_grad(float g) { return g; }
-
-// bf16 -> fp32 is exact: the bf16 bits are the high half of the fp32 bits. Written with
-// integer ops (not c10's conversion) so the loop stays trivially vectorizable.
-inline float load_grad(c10::BFloat16 g) {
-  uint32_t bits = static_cast<uint32_t>(g.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// One Adam update over n contiguous elements. The mode switches are template parameters
-// so that the loop body the vectorizer sees is branch-free.
-template <typename GradT, int kWd, bool kMaximize, bool kSmallW1>
-void adam_range(float* __restrict p, const GradT* __restrict g, float* __restrict m,
-                float* __restrict v, int64_t n, const Coeffs& c) {
-  const float decay = c.decay, wd = c.wd, w1 = c.w1, w1m1 = c.w1m1, beta2 = c.beta2,
-              omb2 = c.omb2, bc2_sqrt = c.bc2_sqrt, eps = c.eps, nss = c.neg_step_size;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    float gi = load_grad(g[i]);
-    if (kMaximize) gi = -gi;
-    float pi = p[i];
-    if (kWd == kDecoupled) pi = pi * decay;
-    if (kWd == kL2) gi = std::fma(pi, wd, gi);
-    float mi = m[i];
-    const float diff = gi - mi;
-    mi = kSmallW1 ? std::fma(w1, diff, mi) : std::fma(w1m1, diff, gi);
-    float vi = v[i] * beta2;
-    vi = std::fma(omb2 * gi, gi, vi);
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    pi = pi + (nss * mi) / denom;
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-  }
-}
-
 using RangeFn = void (*)(float*, const void*, float*, float*, int64_t, const Coeffs&);
 
-template <typename GradT, int kWd, bool kMaximize, bool kSmallW1>
-void adam_range_erased(float* p, const void* g, float* m, float* v, int64_t n,
-                       const Coeffs& c) {
-  adam_range<GradT, kWd, kMaximize, kSmallW1>(p, static_cast<const GradT*>(g), m, v, n, c);
+// What each instruction-set target provides (host_adam_isa.h fills it in).
+struct IsaKernels {
+  RangeFn (*pick_adam)(bool bf16_grad, int wd_mode, bool maximize, bool small_w1);
+  void (*copy)(float*, const float*, int64_t);
+  void (*triad)(float*, const float*, const float*, float, int64_t);
+  void (*rmw)(float*, const float*, float*, float*, int64_t);
+};
+
+// ---------------------------------------------------------------------------------------
+// Instruction-set targets. The library is built without -march (it runs on any CPU of its
+// architecture) and holds one copy of the loops per target, each compiled with a function
+// target attribute; the best one the running CPU supports is used unless the caller names
+// one. On x86-64 the targets are the psABI levels:
+//   x86-64     baseline (SSE2; std::fma is glibc's correctly rounded fmaf)
+//   x86-64-v3  AVX2 + FMA, 256-bit vectors
+//   x86-64-v4  AVX-512 (F, VL, BW, DQ, CD), 512-bit vectors
+// Elsewhere there is one target, "default". MEGACOMPILE_HOST_ADAM_BASELINE_ONLY builds the
+// baseline alone (host_adam.py's fallback for a compiler that rejects the attributes).
+
+namespace isa_baseline {
+#define MC_ISA_ATTR
+#include "host_adam_isa.h"
+#undef MC_ISA_ATTR
+}  // namespace isa_baseline
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(MEGACOMPILE_HOST_ADAM_BASELINE_ONLY)
+#define MC_X86_TARGETS 1
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+// GCC 12 knows the psABI levels both as target attributes and in __builtin_cpu_supports.
+#define MC_V3_ATTR __attribute__((target("arch=x86-64-v3")))
+#define MC_V4_ATTR __attribute__((target("arch=x86-64-v4,prefer-vector-width=512")))
+bool cpu_has_v3() { return __builtin_cpu_supports("x86-64-v3"); }
+bool cpu_has_v4() { return __builtin_cpu_supports("x86-64-v4"); }
+#else
+// Other compilers: the subset of each level the loops can use, checked feature by feature.
+#define MC_V3_ATTR __attribute__((target("avx2,fma")))
+#define MC_V4_ATTR __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512cd,avx2,fma")))
+bool cpu_has_v3() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool cpu_has_v4() {
+  return cpu_has_v3() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512cd");
+}
+#endif
+
+namespace isa_x86_64_v3 {
+#define MC_ISA_ATTR MC_V3_ATTR
+#define MC_ISA_AVX2_LINES 1
+#include "host_adam_isa.h"
+#undef MC_ISA_AVX2_LINES
+#undef MC_ISA_ATTR
+}  // namespace isa_x86_64_v3
+
+namespace isa_x86_64_v4 {
+#define MC_ISA_ATTR MC_V4_ATTR
+#include "host_adam_isa.h"
+#undef MC_ISA_ATTR
+}  // namespace isa_x86_64_v4
+#endif  // MC_X86_TARGETS
+
+bool cpu_has_baseline() { return true; }
+
+struct Target {
+  const char* name;
+  bool (*cpu_ok)();  // may this CPU execute the target's instructions?
+  IsaKernels kernels;
+};
+
+// Compiled targets, from the most portable to the fastest.
+const std::vector<Target>& all_targets() {
+  static const std::vector<Target> targets = [] {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_cpu_init();
+#endif
+    std::vector<Target> t;
+#if defined(__x86_64__)
+    t.push_back({"x86-64", cpu_has_baseline, isa_baseline::kernels()});
+#else
+    t.push_back({"default", cpu_has_baseline, isa_baseline::kernels()});
+#endif
+#ifdef MC_X86_TARGETS
+    t.push_back({"x86-64-v3", cpu_has_v3, isa_x86_64_v3::kernels()});
+    t.push_back({"x86-64-v4", cpu_has_v4, isa_x86_64_v4::kernels()});
+#endif
+    return t;
+  }();
+  return targets;
 }
 
-template <typename GradT, int kWd>
-RangeFn pick2(bool maximize, bool small_w1) {
-  if (maximize) {
-    return small_w1 ? adam_range_erased<GradT, kWd, true, true>
-                    : adam_range_erased<GradT, kWd, true, false>;
-  }
-  return small_w1 ? adam_range_erased<GradT, kWd, false, true>
-                  : adam_range_erased<GradT, kWd, false, false>;
+const Target& best_target() {
+  static const Target* best = [] {
+    const Target* b = nullptr;
+    for (const Target& t : all_targets()) {
+      if (t.cpu_ok()) b = &t;
+    }
+    return b;
+  }();
+  return *best;
 }
 
-template <typename GradT>
-RangeFn pick1(int wd_mode, bool maximize, bool small_w1) {
-  switch (wd_mode) {
-    case kDecoupled: return pick2<GradT, kDecoupled>(maximize, small_w1);
-    case kL2: return pick2<GradT, kL2>(maximize, small_w1);
-    default: return pick2<GradT, kNoDecay>(maximize, small_w1);
+// "" picks the best target for this CPU; a name must be compiled in and runnable here
+// (running AVX-512 code on a CPU without it would die of SIGILL, so this is checked).
+const Target& resolve_target(const std::string& name) {
+  if (name.empty()) return best_target();
+  std::string known;
+  for (const Target& t : all_targets()) {
+    if (name == t.name) {
+      TORCH_CHECK(t.cpu_ok(), "host_adam: target '", name,
+                  "' is compiled in, but this CPU cannot execute it (best here: '",
+                  best_target().name, "')");
+      return t;
+    }
+    known += known.empty() ? "" : ", ";
+    known += t.name;
   }
+  TORCH_CHECK(false, "host_adam: unknown target '", name, "' (compiled: ", known, ")");
+}
+
+std::vector<std::string> compiled_targets() {
+  std::vector<std::string> out;
+  for (const Target& t : all_targets()) out.push_back(t.name);
+  return out;
+}
+
+std::vector<std::string> cpu_targets() {
+  std::vector<std::string> out;
+  for (const Target& t : all_targets()) {
+    if (t.cpu_ok()) out.push_back(t.name);
+  }
+  return out;
 }
 
 struct Item {
@@ -224,8 +307,9 @@ void check_state(const at::Tensor& t, const char* what, size_t i) {
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                at::TensorList exp_avg_sqs, at::ArrayRef<double> steps, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool decoupled,
-               bool maximize, int64_t num_threads) {
+               bool maximize, int64_t num_threads, std::string target) {
   const size_t n = params.size();
+  const IsaKernels& isa = resolve_target(target).kernels;
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
               "host_adam: params, grads, exp_avgs, exp_avg_sqs must have the same length");
   TORCH_CHECK(steps.size() == n || steps.size() == 1,
@@ -251,14 +335,9 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
     TORCH_CHECK(g.numel() == numel && exp_avgs[i].numel() == numel &&
                     exp_avg_sqs[i].numel() == numel,
                 "host_adam: tensor ", i, " has mismatched sizes");
-    if (g.scalar_type() == at::kFloat) {
-      fns[i] = pick1<float>(wd_mode, maximize, small_w1);
-    } else if (g.scalar_type() == at::kBFloat16) {
-      fns[i] = pick1<c10::BFloat16>(wd_mode, maximize, small_w1);
-    } else {
-      TORCH_CHECK(false, "host_adam: grads[", i, "] must be float32 or bfloat16, got ",
-                  g.scalar_type());
-    }
+    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16,
+                "host_adam: grads[", i, "] must be float32 or bfloat16, got ", g.scalar_type());
+    fns[i] = isa.pick_adam(g.scalar_type() == at::kBFloat16, wd_mode, maximize, small_w1);
     numels[i] = numel;
     coeffs[i] = make_coeffs(h, steps.size() == 1 ? steps[0] : steps[i]);
     pp[i] = params[i].data_ptr<float>();
@@ -323,7 +402,8 @@ void check_stream(const at::Tensor& t) {
 }
 
 // a = b (8 bytes moved per element, STREAM counting).
-void stream_copy(at::Tensor a, const at::Tensor& b, int64_t num_threads) {
+void stream_copy(at::Tensor a, const at::Tensor& b, int64_t num_threads, std::string target) {
+  const IsaKernels& isa = resolve_target(target).kernels;
   check_stream(a);
   check_stream(b);
   TORCH_CHECK(a.numel() == b.numel(), "stream_copy: size mismatch");
@@ -332,14 +412,14 @@ void stream_copy(at::Tensor a, const at::Tensor& b, int64_t num_threads) {
   int64_t total = 0;
   const auto items = make_items({a.numel()}, &total);
   for_items(items, total, num_threads, [&](const Item& it) {
-#pragma omp simd
-    for (int64_t i = it.begin; i < it.end; ++i) pa[i] = pb[i];
+    isa.copy(pa + it.begin, pb + it.begin, it.end - it.begin);
   });
 }
 
 // a = b + s*c (12 bytes moved per element, STREAM counting).
 void stream_triad(at::Tensor a, const at::Tensor& b, const at::Tensor& c, double s,
-                  int64_t num_threads) {
+                  int64_t num_threads, std::string target) {
+  const IsaKernels& isa = resolve_target(target).kernels;
   check_stream(a);
   check_stream(b);
   check_stream(c);
@@ -351,15 +431,15 @@ void stream_triad(at::Tensor a, const at::Tensor& b, const at::Tensor& c, double
   int64_t total = 0;
   const auto items = make_items({a.numel()}, &total);
   for_items(items, total, num_threads, [&](const Item& it) {
-#pragma omp simd
-    for (int64_t i = it.begin; i < it.end; ++i) pa[i] = pb[i] + fs * pc[i];
+    isa.triad(pa + it.begin, pb + it.begin, pc + it.begin, fs, it.end - it.begin);
   });
 }
 
 // Adam's access pattern with trivial arithmetic: read p, g, m, v; write p, m, v
 // (28 bytes per element). The best an optimizer step could do on this machine.
 void stream_rmw(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v,
-                int64_t num_threads) {
+                int64_t num_threads, std::string target) {
+  const IsaKernels& isa = resolve_target(target).kernels;
   check_stream(p);
   check_stream(g);
   check_stream(m);
@@ -373,13 +453,8 @@ void stream_rmw(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v,
   int64_t total = 0;
   const auto items = make_items({p.numel()}, &total);
   for_items(items, total, num_threads, [&](const Item& it) {
-#pragma omp simd
-    for (int64_t i = it.begin; i < it.end; ++i) {
-      const float gi = pg[i];
-      pp[i] += gi;
-      pm[i] += gi;
-      pv[i] += gi;
-    }
+    const int64_t b = it.begin;
+    isa.rmw(pp + b, pg + b, pm + b, pv + b, it.end - b);
   });
 }
 
@@ -391,13 +466,19 @@ TORCH_LIBRARY(megacompile_host_adam, m) {
   m.def(
       "adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, float[] steps, float lr, float beta1, float beta2, "
-      "float eps, float weight_decay, bool decoupled, bool maximize, int num_threads=0) -> ()");
+      "float eps, float weight_decay, bool decoupled, bool maximize, int num_threads=0, "
+      "str target=\"\") -> ()");
   m.def("increment_steps(Tensor(a!)[] steps) -> float[]");
-  m.def("stream_copy(Tensor(a!) a, Tensor b, int num_threads=0) -> ()");
-  m.def("stream_triad(Tensor(a!) a, Tensor b, Tensor c, float s, int num_threads=0) -> ()");
+  // No tensor arguments, nothing to dispatch on: one kernel for every backend.
+  m.def("compiled_targets() -> str[]", compiled_targets);
+  m.def("cpu_targets() -> str[]", cpu_targets);
+  m.def("stream_copy(Tensor(a!) a, Tensor b, int num_threads=0, str target=\"\") -> ()");
+  m.def(
+      "stream_triad(Tensor(a!) a, Tensor b, Tensor c, float s, int num_threads=0, "
+      "str target=\"\") -> ()");
   m.def(
       "stream_rmw(Tensor(a!) p, Tensor g, Tensor(b!) m, Tensor(c!) v, "
-      "int num_threads=0) -> ()");
+      "int num_threads=0, str target=\"\") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megacompile_host_adam, CPU, m) {
