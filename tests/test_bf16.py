@@ -23,7 +23,7 @@ arithmetic on both sides every loss and parameter was bitwise equal on that mach
 So the comparisons are:
 
 * with the exact reference, eager autocast whose AdamW step is megatrain's own host kernel
-  (``megacompile.host_optimizer.fused_update``; torch.optim's step where the kernel cannot be
+  (``megacompile.optimizer.host_step.fused_update``; torch.optim's step where the kernel cannot be
   built, as megatrain then runs torch's ops too): losses and parameters bitwise equal, as the
   same ops on the same values guarantee (measured so for the MLP, GPT and Llama, tight budgets
   included). A cast in the wrong place, bf16 gradient accumulation or a stale weight shows up;
@@ -64,7 +64,7 @@ def _megatrain_optimizer_arithmetic(opt: torch.optim.Optimizer) -> torch.optim.O
     """Makes an eager reference's Adam/AdamW step the update megatrain runs for it: the fused
     host kernel (torch's own step where the kernel cannot be built; megatrain then runs the
     captured torch ops). The exact reference of the module docstring."""
-    from megacompile.host_optimizer import fused_update
+    from megacompile.optimizer.host_step import fused_update
     from megacompile.runtime.host_adam import host_adam_available
 
     if host_adam_available():
