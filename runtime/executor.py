@@ -12,11 +12,14 @@ Two lowerings share the executor:
   once by Inductor (Triton kernels on CUDA, C++ on CPU) on its first call. Where the device
   shares host memory (the CPU stand-in when nothing is measured), memory ops move nothing and
   split nothing: a segment is then one layer's compute in one phase.
+
+The instruction types and what each does are in ``runtime/instructions.py``; ``_Lowering``
+makes them from the graph, ``StreamingProgram`` runs them. Returned gradients that land on
+the host go through the call's ``GradientSink`` (``runtime/gradient_sink.py``).
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import operator
 import time
 from typing import Any, Callable
@@ -30,42 +33,30 @@ from megacompile.core.node_info import has_info, info, is_view_node
 from megacompile.core.torch_compat import no_dispatch_modes
 from megacompile.runtime import trace as _trace
 from megacompile.runtime.device import StreamingDevice
+from megacompile.runtime.gradient_sink import GradientSink
+from megacompile.runtime.instructions import (
+    SKIPPED,
+    Call,
+    ComputeOp,
+    Const,
+    Evict,
+    HostOp,
+    Instruction,
+    Load,
+    Offload,
+    Segment,
+    Slot,
+    Wait,
+    Widen,
+    resolve,
+    template_slots,
+)
 from megacompile.runtime.placement import (
     DEVICE_KERNELS,
     place_constant,
     retarget_factories,
     substitute_host_kernels,
 )
-
-
-@dataclasses.dataclass
-class Instruction:
-    kind: str  # load | offload | wait | evict | op | host_op | segment | const
-    out: list[int]
-    args: Any  # slot-referencing args for op; input slots for memory ops / segments
-    fn: Any = None
-    name: str = ""
-    layer: str | None = None
-    frees: list[int] = dataclasses.field(default_factory=list)
-
-
-class _Slot:
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-def _resolve(template: Any, env: list) -> Any:
-    if isinstance(template, _Slot):
-        return env[template.index]
-    if isinstance(template, (list, tuple)):
-        resolved = [_resolve(t, env) for t in template]
-        return resolved if isinstance(template, list) else tuple(resolved)
-    if isinstance(template, dict):
-        return {k: _resolve(v, env) for k, v in template.items()}
-    return template
-
 
 _aten = torch.ops.aten
 # Ops Inductor lowers to an extern call of the vendor library (BLAS / cuBLAS, oneDNN /
@@ -100,7 +91,7 @@ def copying_device_segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
     The memory estimate needs them (plan.estimate_memory): a segment's inputs are held until
     the segment returns (a compiled segment is called with its inputs as arguments, and the
     instruction's frees run after it), so an input whose last reader is early in a segment
-    lives to the segment's end, not to that reader. The runs are cut as ``_build`` cuts them
+    lives to the segment's end, not to that reader. The runs are cut as ``_Lowering`` cuts them
     (``_split_run``), without the sharing case; tests/test_segment_cache.py checks that the two
     agree."""
     segments: list[list[fx.Node]] = []
@@ -145,6 +136,198 @@ def _split_run(pending: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
     return pieces
 
 
+def _returned_once(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """Value -> its position in the returned tuple, for values returned exactly once."""
+    output = next((n for n in reversed(nodes) if n.op == "output"), None)
+    returned = output.args[0] if output is not None else None
+    if not isinstance(returned, (list, tuple)):
+        return {}
+    # Counted once: a forward returns every saved value, thousands in a deep model.
+    times = collections.Counter(r for r in returned if isinstance(r, fx.Node))
+    return {r: position for position, r in enumerate(returned) if isinstance(r, fx.Node) and times[r] == 1}
+
+
+def _is_host_op(n: fx.Node) -> bool:
+    return n.op == "call_function" and not ops.is_memory_op(n) and has_info(n) and info(n).placement == "host"
+
+
+def _staged_on_host(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Transient host copies: a host op's result on its way to a load (a bf16 cast of a
+    parameter) and an offloaded copy on its way to a host op (a bf16 gradient before its fp32
+    cast). A host op's result the graph returns (the fp32 gradient) is not."""
+    return {n for n in nodes
+            if (_is_host_op(n) and any(u.target is ops.load for u in n.users))
+            or (n.target is ops.offload and any(_is_host_op(u) for u in n.users))}
+
+
+def _widened_copy(node: fx.Node, returned: dict[fx.Node, int]) -> fx.Node | None:
+    """bf16: the offloaded narrow copy a returned host op reads as its only value (the cast
+    widening a gradient to fp32), or None. The sink may take that copy as soon as it lands
+    (the host optimizer's kernel widens it exactly) instead of waiting for the cast."""
+    if node not in returned:
+        return None
+    read: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), read.append)
+    return read[0] if len(read) == 1 and read[0].target is ops.offload else None
+
+
+class _Lowering:
+    """Turns a rewritten graph's nodes, in order, into a program's instructions over slots."""
+
+    def __init__(self, program: StreamingProgram, nodes: list[fx.Node]) -> None:
+        self.program = program
+        self.slots: dict[fx.Node, int] = {}
+        self.instructions: list[Instruction] = []
+        self.input_slots: list[int] = []
+        self.output_template: Any = None
+        self.nodes = nodes
+        self.returned = _returned_once(nodes)
+        self.staged = _staged_on_host(nodes)
+        # bf16: returned cast -> the offloaded narrow copy it widens, and that copy -> the
+        # cast's returned position.
+        self.widens: dict[fx.Node, fx.Node] = {}
+        for n in nodes:
+            copy = _widened_copy(n, self.returned) if _is_host_op(n) else None
+            if copy is not None:
+                self.widens[n] = copy
+        self.widened_at = {copy: self.returned[n] for n, copy in self.widens.items()}
+        # The pending run: compute ops waiting to become segments (or ops).
+        self.pending: list[fx.Node] = []
+        self.in_run: set[fx.Node] = set()
+        self.after_run: dict[fx.Node, Instruction] = {}  # offloads of values the pending run computes
+        self.run_layer: str | None = None  # the layer of the pending run's last layered op
+
+    def slot(self, n: fx.Node) -> int:
+        if n not in self.slots:
+            self.slots[n] = len(self.slots)
+        return self.slots[n]
+
+    def template(self, a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: Slot(self.slot(n)))
+
+    def lower(self) -> _Lowering:
+        for node in self.nodes:
+            if node.op == "placeholder":
+                self.input_slots.append(self.slot(node))
+            elif node.op == "output":
+                self.flush()
+                self.output_template = self.template(node.args[0])
+            elif node.op == "get_attr":
+                self.flush()
+                self.instructions.append(self.constant(node))
+            elif ops.is_memory_op(node):
+                self.memory_op(node)
+            elif has_info(node) and info(node).placement == "host":
+                self.flush()
+                self.instructions.append(self.host_op(node))
+            else:
+                self.compute(node)
+        return self
+
+    # --- the pending run of compute ---------------------------------------------------------
+    def compute(self, node: fx.Node) -> None:
+        # A view or getitem inside a run of compute joins its segment (fewer segment calls, and
+        # Inductor sees e.g. a reduction behind a transpose); on its own it runs as it is.
+        layer = info(node).layer if has_info(node) else None
+        changes_layer = layer is not None and self.run_layer not in (None, layer)
+        if self.program.share_host_memory and self.pending and changes_layer:
+            self.flush()  # one segment per layer (repeated layers reuse its compiled code)
+        if self.program.lowering == "inductor" and (self.pending or not _is_trivial(node)):
+            self.pending.append(node)
+            self.in_run.add(node)
+            if layer is not None:
+                self.run_layer = layer
+        else:
+            self.flush()
+            self.instructions.append(self.op(node))
+
+    def flush(self) -> None:
+        """The pending run becomes its segments and direct ops, then the offloads it held back."""
+        for compiled, piece in _split_run(self.pending):
+            if compiled:
+                self.instructions.append(self.program._segment(piece, self.slot))
+            else:
+                self.instructions.extend(self.op(n) for n in piece)
+        self.pending.clear()
+        self.in_run.clear()
+        self.instructions.extend(self.after_run.values())
+        self.after_run.clear()
+        self.run_layer = None
+
+    # --- one node -------------------------------------------------------------------------
+    def op(self, node: fx.Node) -> ComputeOp:
+        return ComputeOp(name=node.name, layer=info(node).layer if has_info(node) else None, out=self.slot(node),
+                         fn=node.target, args=self.template(node.args), kwargs=self.template(node.kwargs))
+
+    def host_op(self, node: fx.Node) -> HostOp:
+        fields = dict(name=node.name, layer=info(node).layer, out=self.slot(node), fn=node.target,
+                      args=self.template(node.args), kwargs=self.template(node.kwargs),
+                      staged=node in self.staged, returns=self.returned.get(node))
+        copy = self.widens.get(node)
+        return HostOp(**fields) if copy is None else Widen(source=self.slot(copy), **fields)
+
+    def constant(self, node: fx.Node) -> Const:
+        value = getattr(self.program.gm, node.target)
+        if any(not (has_info(u) and info(u).placement == "host") for u in node.users):
+            # Built inside AOTAutograd's tracing, where a fake mode may be active: the copy
+            # must be a real device tensor, not a fake one.
+            with compat.no_dispatch_modes():
+                value = place_constant(value, self.program.device.torch_device)
+        return Const(name=node.name, out=self.slot(node), value=value)
+
+    def memory_op(self, node: fx.Node) -> None:
+        if not self.program.share_host_memory:
+            self.flush()
+            self.instructions.append(self.memory_instruction(node))
+            return
+        # Sharing host memory, memory ops move no bytes and need no place of their own: they
+        # are taken out of the run (loads issued ahead of it, offloads after it) and split it
+        # only where the layer changes, so a segment is a layer's compute, not the compute
+        # between two copies (and repeated layers still reuse one compiled segment).
+        if node.target in (ops.wait, ops.evict):
+            # Nothing to wait for (the "copy" is the host tensor) and nothing to free (a value
+            # is dropped after its last reader): no instruction at all.
+            return
+        source = node.args[0]
+        if source in self.in_run:  # an offload of a value the run computes: after the run
+            self.after_run[node] = self.memory_instruction(node)
+            return
+        if source in self.after_run:  # a reload of such an offload: the run ends here
+            self.flush()
+        self.instructions.append(self.memory_instruction(node))  # ahead of the run
+
+    def memory_instruction(self, node: fx.Node) -> Instruction:
+        copies = node.target in (ops.load, ops.offload)
+        out = self.slot(node) if copies else None  # numbered before its source, as ever
+        common = dict(name=node.name, layer=info(node).layer if has_info(node) else None,
+                      source=self.slot(node.args[0]))
+        if not copies:
+            return (Wait if node.target is ops.wait else Evict)(**common)
+        tag = node.args[1] if len(node.args) > 1 else None
+        if node.target is ops.load:
+            return Load(out=out, tag=tag, **common)
+        returns = self.widened_at.get(node, self.returned.get(node))
+        return Offload(out=out, tag=tag, staged=node in self.staged, returns=returns, **common)
+
+
+def _plan_frees(instructions: list[Instruction], input_slots: list[int], output_template: Any) -> list[int]:
+    """Appends to each instruction the slots whose last reader it is; returns the inputs that
+    nothing reads (freed as the program starts). Returned values are never freed."""
+    last_read: dict[int, int] = {}
+    for k, instr in enumerate(instructions):
+        for s in instr.reads():
+            last_read[s] = k
+        for s in instr.writes():
+            last_read.setdefault(s, k)  # a value nobody reads dies right away
+    outputs = set(template_slots(output_template))
+    for s in input_slots:
+        last_read.setdefault(s, -1)
+    for s, k in last_read.items():
+        if k >= 0 and s not in outputs:
+            instructions[k].frees.append(s)
+    return [s for s, k in last_read.items() if k == -1 and s not in outputs]
+
+
 class StreamingProgram:
     """A boxed callable (takes a list of inputs, which it empties) that runs one graph."""
 
@@ -159,7 +342,7 @@ class StreamingProgram:
         on_start: Callable[[], None] | None = None,
         on_finish: Callable[[], None] | None = None,
         observe_inputs: Callable[[list], None] | None = None,
-        make_lander: Callable[[], Any] | None = None,
+        make_sink: Callable[[], GradientSink | None] | None = None,
         label: str = "program",
         check_inputs: Callable[[list], None] | None = None,
         share_host_memory: bool = False,
@@ -182,9 +365,9 @@ class StreamingProgram:
         # Sees the inputs of each call before they are consumed (the forward records which
         # parameter tensors it ran with, for the backward's overlapped optimizer updates).
         self.observe_inputs = observe_inputs
-        # Called at the start of each call: returns a megacompile.optimizer.overlap.GradientLander that
-        # takes over the returned gradients as they are offloaded, or None.
-        self.make_lander = make_lander
+        # Called at the start of each call: the GradientSink that takes returned gradients as
+        # they land (the overlapped optimizer's lander), or None for the default sink.
+        self.make_sink = make_sink
         # Set to a list to record (instruction, device bytes live after it): debugging aid
         # for comparing the measured curve with the plan's.
         self.memory_log: list | None = None
@@ -195,141 +378,14 @@ class StreamingProgram:
         # Traced on the host: ops that make tensors name the host device (placement.py).
         retarget_factories(self.gm, self.device.torch_device)
         substitute_host_kernels(self.gm, self.device.torch_device)
-        nodes = list(self.gm.graph.nodes)
-        slot: dict[fx.Node, int] = {}
-        self.input_slots: list[int] = []
-        self.instructions: list[Instruction] = []
-        pending: list[fx.Node] = []  # compute ops waiting to become a segment
-        # Sharing host memory, memory ops move no bytes and need no place of their own: they
-        # are taken out of the run (loads issued ahead of it, offloads after it) and split
-        # it only where the layer changes, so a segment is a layer's compute, not the compute
-        # between two copies (and repeated layers still reuse one compiled segment).
-        moves_no_bytes = self.share_host_memory
-        in_run: set[fx.Node] = set()
-        after_run: dict[fx.Node, Instruction] = {}  # offloads of values the pending run computes
-        run_layer: str | None = None  # the layer of the pending run's last layered op
+        lowering = _Lowering(self, list(self.gm.graph.nodes)).lower()
+        self.instructions = lowering.instructions
+        self.input_slots = lowering.input_slots
+        self.output_template = lowering.output_template
+        self.num_slots = len(lowering.slots)
+        self.free_at_start = _plan_frees(self.instructions, self.input_slots, self.output_template)
 
-        def slot_of(n: fx.Node) -> int:
-            if n not in slot:
-                slot[n] = len(slot)
-            return slot[n]
-
-        def template(a: Any) -> Any:
-            return fx.node.map_arg(a, lambda n: _Slot(slot_of(n)))
-
-        def op_instruction(node: fx.Node) -> Instruction:
-            return Instruction("op", [slot_of(node)], (template(node.args), template(node.kwargs)),
-                               fn=node.target, name=node.name, layer=info(node).layer if has_info(node) else None)
-
-        def flush() -> None:
-            nonlocal run_layer
-            for compiled, piece in _split_run(pending):
-                if compiled:
-                    self.instructions.append(self._segment(piece, slot_of, nodes))
-                else:
-                    self.instructions.extend(op_instruction(n) for n in piece)
-            pending.clear()
-            in_run.clear()
-            self.instructions.extend(after_run.values())
-            after_run.clear()
-            run_layer = None
-
-        def memory_instruction(node: fx.Node) -> Instruction:
-            kind = node.target._schema.name.split("::")[-1]
-            layer = info(node).layer if has_info(node) else None
-            out = [slot_of(node)] if kind in ("load", "offload") else []
-            return Instruction(kind, out, [slot_of(node.args[0])], name=node.name, layer=layer,
-                               fn=node.args[1] if len(node.args) > 1 else None)
-
-        for node in nodes:
-            if node.op == "placeholder":
-                self.input_slots.append(slot_of(node))
-            elif node.op == "output":
-                flush()
-                self.output_template = template(node.args[0])
-            elif node.op == "get_attr":
-                flush()
-                value = getattr(self.gm, node.target)
-                if any(not (has_info(u) and info(u).placement == "host") for u in node.users):
-                    # Built inside AOTAutograd's tracing, where a fake mode may be active: the
-                    # copy must be a real device tensor, not a fake one.
-                    with compat.no_dispatch_modes():
-                        value = place_constant(value, self.device.torch_device)
-                self.instructions.append(Instruction("const", [slot_of(node)], None, fn=value, name=node.name))
-            elif ops.is_memory_op(node) and moves_no_bytes:
-                if node.target in (ops.wait, ops.evict):
-                    # Nothing to wait for (the "copy" is the host tensor) and nothing to free
-                    # (a value is dropped after its last reader): no instruction at all.
-                    continue
-                source = node.args[0]
-                if source in in_run:  # an offload of a value the run computes: after the run
-                    after_run[node] = memory_instruction(node)
-                    continue
-                if source in after_run:  # a reload of such an offload: the run ends here
-                    flush()
-                self.instructions.append(memory_instruction(node))  # ahead of the run
-            elif ops.is_memory_op(node):
-                flush()
-                self.instructions.append(memory_instruction(node))
-            elif has_info(node) and info(node).placement == "host":
-                # A host op (a host cast): runs on the host, never in a device segment; its
-                # result is host staging memory, not device memory.
-                flush()
-                self.instructions.append(
-                    Instruction("host_op", [slot_of(node)], (template(node.args), template(node.kwargs)),
-                                fn=node.target, name=node.name, layer=info(node).layer)
-                )
-            else:
-                # A view or getitem inside a run of compute joins its segment (fewer segment
-                # calls, and Inductor sees e.g. a reduction behind a transpose); on its own it
-                # runs as it is.
-                layer = info(node).layer if has_info(node) else None
-                if moves_no_bytes and pending and layer is not None and run_layer not in (None, layer):
-                    flush()  # one segment per layer (repeated layers reuse its compiled code)
-                if self.lowering == "inductor" and (pending or not _is_trivial(node)):
-                    pending.append(node)
-                    in_run.add(node)
-                    if layer is not None:
-                        run_layer = layer
-                else:
-                    flush()
-                    self.instructions.append(op_instruction(node))
-        self.num_slots = len(slot)
-        # Transient host copies: a host op's result on its way to a load (a bf16 cast of a
-        # parameter) and an offloaded copy on its way to a host op (a bf16 gradient before
-        # its fp32 cast). A host op's result the graph returns (the fp32 gradient) is not.
-        def host_op(n: fx.Node) -> bool:
-            return n.op == "call_function" and not ops.is_memory_op(n) and has_info(n) and info(n).placement == "host"
-
-        self.staged_on_host = {
-            slot[n] for n in nodes
-            if (host_op(n) and any(u.target is ops.load for u in n.users))
-            or (n.target is ops.offload and any(host_op(u) for u in n.users))
-        }
-        # Slot -> position in the returned tuple, for values returned directly.
-        self.output_position: dict[int, int] = {}
-        if isinstance(self.output_template, (list, tuple)):
-            # Counted once: a forward returns every saved value, thousands in a deep model.
-            times_returned = collections.Counter(t.index for t in self.output_template if isinstance(t, _Slot))
-            for position, t in enumerate(self.output_template):
-                if isinstance(t, _Slot) and times_returned[t.index] == 1:  # returned once
-                    self.output_position[t.index] = position
-        # bf16: a gradient comes back as an offloaded bf16 copy that a host cast widens to the
-        # fp32 value returned. Offload slot -> (returned position, the cast's slot): the
-        # host optimizer can take the bf16 copy as soon as it lands (its kernel widens it
-        # exactly) instead of waiting for the cast at the end of the backward.
-        offloaded = {i.out[0] for i in self.instructions if i.kind == "offload"}
-        self.widened_gradient: dict[int, tuple[int, int]] = {}
-        for instr in self.instructions:
-            if instr.kind != "host_op" or instr.out[0] not in self.output_position:
-                continue
-            inputs: list[int] = []
-            fx.node.map_aggregate(instr.args, lambda a: inputs.append(a.index) if isinstance(a, _Slot) else a)
-            if len(inputs) == 1 and inputs[0] in offloaded:
-                self.widened_gradient[inputs[0]] = (self.output_position[instr.out[0]], instr.out[0])
-        self._plan_frees(slot)
-
-    def _segment(self, seg_nodes: list[fx.Node], slot_of, all_nodes: list[fx.Node]) -> Instruction:
+    def _segment(self, seg_nodes: list[fx.Node], slot_of: Callable[[fx.Node], int]) -> Segment:
         inside = set(seg_nodes)
         inputs: list[fx.Node] = []
         for n in seg_nodes:
@@ -359,44 +415,15 @@ class StreamingProgram:
                 flat.append(env[o])
                 arity.append(None)
         graph.output(tuple(flat))
-        sub = fx.GraphModule(self.gm, graph)
         layers = list(dict.fromkeys(info(n).layer for n in seg_nodes if has_info(n) and info(n).layer))
-        instr = Instruction("segment", [slot_of(o) for o in outputs], [slot_of(i) for i in inputs],
-                            name=f"segment[{seg_nodes[0].name}..{seg_nodes[-1].name}]",
-                            layer=",".join(layers) if layers else None)
-        instr.fn = {"gm": sub, "compiled": None, "arity": arity if any(a is not None for a in arity) else None}
-        return instr
-
-    def _plan_frees(self, slot: dict) -> None:
-        last_read: dict[int, int] = {}
-
-        def reads(instr: Instruction) -> list[int]:
-            if instr.kind in ("op", "host_op"):
-                found: list[int] = []
-                fx.node.map_aggregate(instr.args, lambda a: found.append(a.index) if isinstance(a, _Slot) else a)
-                return found
-            if instr.kind == "const":
-                return []
-            return list(instr.args)
-
-        for k, instr in enumerate(self.instructions):
-            for s in reads(instr):
-                last_read[s] = k
-            for s in instr.out:
-                last_read.setdefault(s, k)  # a value nobody reads dies right away
-        outputs: set[int] = set()
-        fx.node.map_aggregate(self.output_template, lambda a: outputs.add(a.index) if isinstance(a, _Slot) else a)
-        for s in self.input_slots:
-            last_read.setdefault(s, -1)
-        self.free_at_start = [s for s, k in last_read.items() if k == -1 and s not in outputs]
-        for s, k in last_read.items():
-            if k >= 0 and s not in outputs:
-                self.instructions[k].frees.append(s)
+        return Segment(name=f"segment[{seg_nodes[0].name}..{seg_nodes[-1].name}]",
+                       layer=",".join(layers) if layers else None,
+                       outs=[slot_of(o) for o in outputs], inputs=[slot_of(i) for i in inputs],
+                       gm=fx.GraphModule(self.gm, graph), arity=arity if any(a is not None for a in arity) else None)
 
     def _compile(self, gm: fx.GraphModule, inputs: list) -> Callable:
         # Compile outside whatever dispatch state the caller (an autograd.Function, the
         # autograd engine) runs us in: Inductor re-traces the segment with its own modes.
-
         examples = [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs]
         with no_dispatch_modes(), torch.enable_grad():
             return self.compile_segment(gm, examples)
@@ -412,23 +439,24 @@ class StreamingProgram:
             self.on_start()
         if self.observe_inputs is not None:
             self.observe_inputs(args)
-        lander = self.make_lander() if self.make_lander is not None else None
+        sink = self.make_sink() if self.make_sink is not None else None
+        if sink is None:
+            sink = _RETURN_EVERYTHING
         recorder = _trace.active()
         program_start = time.perf_counter_ns() if recorder is not None else 0
         try:
-            return self._run(args, lander, recorder)
+            return self._run(args, sink, recorder)
         finally:
-            if lander is not None:
-                # Also on an error: updates already submitted must finish before anyone
-                # can look at the parameters.
-                lander.finish()
+            # Also on an error: updates already submitted must finish before anyone can look
+            # at the parameters.
+            sink.finish()
             if recorder is not None:  # the program's event encloses the updates it waited for
                 recorder.add("graphs", self.label, program_start, time.perf_counter_ns(),
                              {"instructions": len(self.instructions)})
             if self.on_finish is not None:
                 self.on_finish()
 
-    def _run(self, args: list, lander, recorder) -> Any:
+    def _run(self, args: list, sink: GradientSink, recorder) -> Any:
         env: list = [None] * self.num_slots
         for s, value in zip(self.input_slots, args):
             env[s] = value
@@ -436,101 +464,26 @@ class StreamingProgram:
         for s in self.free_at_start:
             env[s] = None
         device = self.device
-        track = self.lowering == "eager"
-        share = self.share_host_memory
-        taken_casts: set[int] = set()
+        call = Call(env, device, sink, track=self.lowering == "eager", share=self.share_host_memory,
+                    compile=self._compile)
         for instr in self.instructions:
             if recorder is not None:
                 instr_start = time.perf_counter_ns()
-            kind = instr.kind
-            if kind == "op":
-                a, kw = _resolve(instr.args, env)
-                env[instr.out[0]] = instr.fn(*a, **kw)
-                # Locals would keep this op's inputs alive past their last use.
-                a = kw = None
-                if track:
-                    device.track(env[instr.out[0]])
-            elif kind == "host_op":
-                if instr.out[0] in taken_casts:
-                    continue  # the host optimizer took (and widens) this cast's input already
-                a, kw = _resolve(instr.args, env)
-                result = instr.fn(*a, **kw)
-                a = kw = None
-                position = self.output_position.get(instr.out[0]) if lander is not None else None
-                if position is not None and lander.owns(position):
-                    # A gradient made on the host (bf16 -> fp32 cast of a landed copy): the
-                    # host optimizer takes it like an offloaded one; it is complete already.
-                    lander.take(position, result, instr.layer, None)
-                else:
-                    env[instr.out[0]] = result
-                    if instr.out[0] in self.staged_on_host:
-                        device.host_staging.track(result)
-                result = None
-            elif kind == "load":
-                if share:
-                    env[instr.out[0]] = device.share(env[instr.args[0]], instr.fn, instr.layer)
-                else:
-                    env[instr.out[0]] = device.load(env[instr.args[0]], instr.fn, instr.layer, track)
-            elif kind == "wait":
-                if env[instr.args[0]] is not None:  # None: a gradient the lander took over
-                    device.wait(env[instr.args[0]])
-            elif kind == "evict":
-                device.evict(env[instr.args[0]])
-            elif kind == "offload":
-                if share:
-                    host = device.hand_over(env[instr.args[0]], instr.fn, instr.layer)
-                else:
-                    host = device.offload(env[instr.args[0]], instr.fn, instr.layer)
-                position = self.output_position.get(instr.out[0]) if lander is not None else None
-                widened = self.widened_gradient.get(instr.out[0]) if lander is not None else None
-                if widened is not None and lander.owns(widened[0]):
-                    position = widened[0]
-                    taken_casts.add(widened[1])
-                if position is not None and lander.owns(position):
-                    # The host optimizer consumes this gradient as soon as it lands; the
-                    # backward returns None for it (no host gradient buffer is kept).
-                    lander.take(position, host, instr.layer, device.completion(host))
-                else:
-                    env[instr.out[0]] = host
-                    if instr.out[0] in self.staged_on_host:
-                        device.host_staging.track(host)
-                host = None
-            elif kind == "segment":
-                inputs = [env[s] for s in instr.args]
-                if instr.fn["compiled"] is None:
-                    instr.fn["compiled"] = self._compile(instr.fn["gm"], inputs)
-                outs = instr.fn["compiled"](*inputs)
-                inputs = None
-                if instr.fn["arity"] is not None:
-                    outs = _regroup(outs, instr.fn["arity"])
-                for s, v in zip(instr.out, outs):
-                    env[s] = v
-                outs = None
-            elif kind == "const":
-                env[instr.out[0]] = instr.fn
+            if instr.run(call) is SKIPPED:
+                continue
             if recorder is not None:
                 _record_instruction(recorder, device, instr, env, instr_start)
             if self.memory_log is not None:
                 self.memory_log.append((instr.name, device.tracker.current))
             for s in instr.frees:
                 env[s] = None
-        result = _resolve(self.output_template, env)
+        result = resolve(self.output_template, env)
         env.clear()
         return result
 
 
-def _regroup(flat, arity: list) -> list:
-    """A segment's flat outputs back into one value per slot (a tuple for a multi-output op)."""
-    out, k = [], 0
-    for n in arity:
-        if n is None:
-            out.append(flat[k])
-            k += 1
-        else:
-            out.append(tuple(flat[k:k + n]))
-            k += n
-    return out
-
+# Stateless: one default sink for every program.
+_RETURN_EVERYTHING = GradientSink()
 
 _COMPUTE_LANES = {"op": "compute", "segment": "compute", "const": "compute", "wait": "wait", "evict": "evict"}
 
@@ -546,8 +499,7 @@ def _nbytes(value: Any) -> int:
 def _record_instruction(recorder, device: StreamingDevice, instr: Instruction, env: list, start_ns: int) -> None:
     """One finished instruction as a trace event (only while ``trace_runtime`` is active)."""
     end_ns = time.perf_counter_ns()
-    kind = instr.kind
-    lane = device.trace_copy_lanes.get(kind) or _COMPUTE_LANES.get(kind, "compute")
-    values = [env[s] for s in (instr.out or instr.args)] if kind != "op" else [env[instr.out[0]]]
-    args = {"kind": kind, "layer": instr.layer, "bytes": _nbytes(values)}
+    lane = device.trace_copy_lanes.get(instr.kind) or _COMPUTE_LANES.get(instr.kind, "compute")
+    values = [env[s] for s in instr.traced_slots()]
+    args = {"kind": instr.kind, "layer": instr.layer, "bytes": _nbytes(values)}
     recorder.add(lane, instr.name, start_ns, end_ns, args)

@@ -126,7 +126,7 @@ def test_constants_are_placed_as_real_tensors_even_when_built_under_a_fake_mode(
 
     with FakeTensorMode():
         program = StreamingProgram(gm, _MetaBuildDevice(), "eager")
-    constants = [i.fn for i in program.instructions if i.kind == "const" and isinstance(i.fn, torch.Tensor)]
+    constants = [i.value for i in program.instructions if i.kind == "const" and isinstance(i.value, torch.Tensor)]
     assert constants
     assert all(c.device == META and not isinstance(c, FakeTensor) for c in constants)
 

@@ -101,9 +101,9 @@ def test_memory_estimate_holds_segment_inputs_to_the_segment_end(monkeypatch):
     built: dict[str, list] = {}
     original = executor.StreamingProgram._segment
 
-    def spy(self, seg_nodes, slot_of, all_nodes):
+    def spy(self, seg_nodes, slot_of):
         built.setdefault(self.label, []).append([n.name for n in seg_nodes])
-        return original(self, seg_nodes, slot_of, all_nodes)
+        return original(self, seg_nodes, slot_of)
 
     monkeypatch.setattr(executor.StreamingProgram, "_segment", spy)
     monkeypatch.setattr(compat, "inductor_compile", lambda gm, inputs: gm)

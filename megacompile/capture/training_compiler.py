@@ -209,7 +209,7 @@ class TrainingCompiler:
         with cycle_collector_paused():
             program = self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record,
                                  part="backward")
-        program.make_lander = self._make_lander
+        program.make_sink = self._make_lander
         finished = program.on_finish
 
         def on_finish() -> None:

@@ -48,6 +48,7 @@ from megacompile.core import torch_compat as compat
 from megacompile.optimizer.host_step import has_host_step
 from megacompile.optimizer.ownership import fused_kernel_runs
 from megacompile.runtime import trace
+from megacompile.runtime.gradient_sink import GradientSink
 from megacompile.runtime.host_adam import fused_adam_step, host_adam_available
 
 # Instructions that only shuffle the value stack or mark positions: what Dynamo's rewritten
@@ -324,11 +325,14 @@ class OverlapStats:
     consumed_grad_bytes: int = 0  # gradients the updates consumed (never kept in param.grad)
 
 
-class GradientLander:
-    """Takes a backward's host gradients as they land and updates their parameters.
+class GradientLander(GradientSink):
+    """The backward program's gradient sink: takes the gradients of the parameters it updates
+    as they land on the host and updates those parameters.
 
-    ``take`` is called on the backward's thread, in the order gradients are produced; the
-    gradients of one layer are batched into one fused update on the worker thread.
+    ``take`` is called on the backward's thread, in the order gradients are produced (a bf16
+    gradient as its bf16 copy: the fused kernel widens it exactly); the gradients of one layer
+    are batched into one fused update on the worker thread. What it does not own is widened and
+    returned as by the default sink.
     """
 
     def __init__(self, opt: torch.optim.Optimizer, params: dict[int, torch.Tensor], device, reason: str) -> None:
