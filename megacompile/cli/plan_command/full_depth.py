@@ -1,5 +1,13 @@
 """From k traced layers to N: the device peak, time, FLOPs and bytes of any count of keep /
-offload / recompute layers, and the plan megatrain's planner would choose among them."""
+offload / recompute layers, and the plan megatrain's planner would choose among them.
+
+Time, FLOPs and bytes grow linearly with the layers as in the template planner
+(``plan/depth_extrapolation``), but what one more layer adds is measured per policy on one
+traced layer's stretch of the program (``digest``), not as the difference of two depths, so
+that one trace prices every mix of policies. The peak is no single line: it is the largest of
+the program's parts, each linear in N (``full_depth_peak``), since which part peaks depends on
+the depth and the mix, and there is no full-depth build to check a line against.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,6 +15,7 @@ import math
 
 from megacompile.cli.plan_command import POLICIES, RESIDENT
 from megacompile.cli.plan_command.digest import Trace
+from megacompile.plan.depth_extrapolation import extend_to_depth
 
 
 @dataclasses.dataclass
@@ -139,10 +148,10 @@ def evaluate(trace: Trace, counts: dict) -> DepthPlan:
     extra = {p: n - (trace.k if p == base else 0) for p, n in counts.items() if n or p == base}
 
     def total(key: str) -> float:
-        return pol[base].total[key] + sum(n * pol[p].per_layer[key] for p, n in extra.items())
+        return extend_to_depth(pol[base].total[key], ((n, pol[p].per_layer[key]) for p, n in extra.items()))
 
-    lanes = {lane: max(0.0, pol[base].total["lanes_s"][lane]
-                       + sum(n * pol[p].per_layer["lanes_s"][lane] for p, n in extra.items()))
+    lanes = {lane: max(0.0, extend_to_depth(pol[base].total["lanes_s"][lane],
+                                            ((n, pol[p].per_layer["lanes_s"][lane]) for p, n in extra.items())))
              for lane in ("compute", "h2d", "d2h")}
     lanes["host_optimizer"] = trace.host_optimizer["seconds"]
     return DepthPlan(
