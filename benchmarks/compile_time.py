@@ -47,8 +47,16 @@ import torch
 import megacompile
 from megacompile.capture import training_compiler as capture
 from megacompile.capture.records import recording
-from megacompile.cli import plan_command as plan_cmd
 from megacompile.cli import presets
+from megacompile.cli.plan_command import (
+    POLICIES,
+    RESIDENT,
+    full_depth,
+    meta_model,
+    planning,
+    policy_capture,
+    traced_layers,
+)
 from megacompile.plan.hardware import get_profile
 
 # Every graph megatrain compiles in this run, oldest first (filled by records.recording).
@@ -81,10 +89,10 @@ def _two_calls(model, seq_len: int, budget: int | None = None, backend: str = "m
         kwargs["options"] = {"device": "cpu", "lowering": "eager", "hardware": "h200", **options}
         if budget is not None:
             kwargs["options"]["memory_budget"] = budget
-    compiled = torch.compile(plan_cmd.make_step(model), **kwargs)
+    compiled = torch.compile(meta_model.make_step(model), **kwargs)
     x = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     _collect_earlier_garbage()
-    with plan_cmd._meta_placement():
+    with meta_model._meta_placement():
         t0 = time.perf_counter()
         compiled(x, x)
         t1 = time.perf_counter()
@@ -96,25 +104,25 @@ def _two_calls(model, seq_len: int, budget: int | None = None, backend: str = "m
 def compile_seconds(cfg: dict, seq_len: int, backend: str, marked: bool) -> float:
     """Compile seconds (first call - second call) of the step under ``backend`` (budget none),
     with the decoder layers marked or not."""
-    plan_cmd._reset_dynamo()
+    policy_capture._reset_dynamo()
     COMPILED.clear()
-    model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
+    model = meta_model.build_model(cfg, cfg["num_hidden_layers"])
     if marked:
         assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
     first, second = _two_calls(model, seq_len, backend=backend)
-    plan_cmd._reset_dynamo()
+    policy_capture._reset_dynamo()
     return first - second
 
 
 def full_compile(cfg: dict, seq_len: int, budget: int | None) -> tuple[float, float, str, int, dict | None]:
     """(first call s, second call s, the planner's plan, its peak, its decoder-layer counts as
     plan_model writes them or None) of a full-depth compile on meta."""
-    plan_cmd._reset_dynamo()
+    policy_capture._reset_dynamo()
     COMPILED.clear()
-    model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
+    model = meta_model.build_model(cfg, cfg["num_hidden_layers"])
     first, second = _two_calls(model, seq_len, budget)
     record = next(r for r in COMPILED if r.plan is not None and r.plan.policy != "inference")
-    plan_cmd._reset_dynamo()
+    policy_capture._reset_dynamo()
     plan = record.plan
     if plan.layer_policy:  # per-layer: count the decoder layers (glue listed apart when not kept)
         decoder = {k: v for k, v in plan.layer_policy.items() if ".layers." in k}
@@ -127,20 +135,20 @@ def full_compile(cfg: dict, seq_len: int, budget: int | None) -> tuple[float, fl
         policy = plan.policy
         n = cfg["num_hidden_layers"]
         uniform = plan.policy.split(" ")[0]
-        same = {plan_cmd.RESIDENT: n} if plan.resident else ({uniform: n} if uniform in plan_cmd.POLICIES else None)
+        same = {RESIDENT: n} if plan.resident else ({uniform: n} if uniform in POLICIES else None)
     return first, second, policy, plan.peak_bytes, same
 
 
 def marked_tight(cfg: dict, seq_len: int, mode: str, budget: int | None) -> tuple[float, object]:
     """(compile s, the step's plan) of the full-depth step with its layers marked by
     mark_repeated_layers, under ``budget`` (None: no budget), planned with plan_repeats=``mode``."""
-    plan_cmd._reset_dynamo()
+    policy_capture._reset_dynamo()
     COMPILED.clear()
-    model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
+    model = meta_model.build_model(cfg, cfg["num_hidden_layers"])
     assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
     first, second = _two_calls(model, seq_len, budget, plan_repeats=mode)
     record = next(r for r in COMPILED if r.plan is not None and r.plan.policy != "inference")
-    plan_cmd._reset_dynamo()
+    policy_capture._reset_dynamo()
     return first - second, record.plan
 
 
@@ -239,13 +247,13 @@ def _timed_compile(cfg: dict, seq_len: int, trace_step: bool, pytree_call: bool,
         if collector_on:
             for owner in (backend, capture):
                 stack.enter_context(mock.patch.object(owner, "cycle_collector_paused", contextlib.nullcontext))
-        plan_cmd._reset_dynamo()
+        policy_capture._reset_dynamo()
         COMPILED.clear()
         repeats._MARKED_CLASSES.clear()  # the marking forward reads _flatten_call at call time
-        model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
+        model = meta_model.build_model(cfg, cfg["num_hidden_layers"])
         assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
         first, second = _two_calls(model, seq_len, snapshots=snapshots)
-        plan_cmd._reset_dynamo()
+        policy_capture._reset_dynamo()
         repeats._MARKED_CLASSES.clear()
     return first - second, parts
 
@@ -254,14 +262,14 @@ def _aot_eager_compile(cfg: dict, seq_len: int) -> float:
     """Compile s of the same marked step under torch.compile's own ``aot_eager`` backend (Dynamo +
     AOTAutograd, default partitioner, no megatrain), with the optimizer's step kept out of the
     trace the way megatrain keeps it out (``torch.compiler.disable``): the capture any backend pays."""
-    plan_cmd._reset_dynamo()
-    model = plan_cmd.build_model(cfg, cfg["num_hidden_layers"])
+    policy_capture._reset_dynamo()
+    model = meta_model.build_model(cfg, cfg["num_hidden_layers"])
     assert len(megacompile.mark_repeated_layers(model)) == cfg["num_hidden_layers"]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     opt.step = torch.compiler.disable(opt.step)
 
     def step(input_ids, labels):
-        loss = plan_cmd.host_cross_entropy(model(input_ids=input_ids).logits, labels)
+        loss = meta_model.host_cross_entropy(model(input_ids=input_ids).logits, labels)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -275,7 +283,7 @@ def _aot_eager_compile(cfg: dict, seq_len: int) -> float:
     t1 = time.perf_counter()
     compiled(x, x)
     t2 = time.perf_counter()
-    plan_cmd._reset_dynamo()
+    policy_capture._reset_dynamo()
     return (t1 - t0) - (t2 - t1)
 
 
@@ -335,10 +343,10 @@ def breakdown_table(depths: list[int], seq_len: int) -> list[str]:
 
 
 def planned(cfg: dict, seq_len: int, budget: int | None):
-    plan_cmd._TRACE_CACHE.clear()
+    traced_layers._TRACE_CACHE.clear()
     _collect_earlier_garbage()
     t0 = time.perf_counter()
-    r = plan_cmd.plan_model(cfg, get_profile("h200"), batch=1, seq_len=seq_len, budget=budget, search=False)
+    r = planning.plan_model(cfg, get_profile("h200"), batch=1, seq_len=seq_len, budget=budget, search=False)
     return time.perf_counter() - t0, r
 
 
@@ -351,7 +359,7 @@ def inductor_lowering(layers: int, reuse: bool) -> tuple[float, int, int]:
 
     from megacompile.runtime import segment_cache
 
-    plan_cmd._reset_dynamo()
+    policy_capture._reset_dynamo()
     COMPILED.clear()
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -374,7 +382,7 @@ def inductor_lowering(layers: int, reuse: bool) -> tuple[float, int, int]:
     finally:
         segment_cache.segment_structure = original
     stats = megacompile.last_report().segments
-    plan_cmd._reset_dynamo()
+    policy_capture._reset_dynamo()
     return first, stats["compiled"] + stats["reused"], stats["compiled"]
 
 
@@ -460,7 +468,7 @@ def main(argv=None) -> int:
             err = (r.device["peak_bytes"] - peak) / peak
             same_err = "-"
             if same is not None and set(same) <= set(r.trace.policies):
-                same_err = f"{(plan_cmd.evaluate(r.trace, same).peak_bytes - peak) / peak:+.2%}"
+                same_err = f"{(full_depth.evaluate(r.trace, same).peak_bytes - peak) / peak:+.2%}"
             row = (f"{n:>6} {label:>6} | {first - second:>15.2f} {second:>7.2f} {policy[:34]:<34} {peak / 2**20:>9.2f} | "
                    f"{plan_s:>7.2f} {r.device['plan'][:36]:<36} {r.device['peak_bytes'] / 2**20:>9.2f} {err:>+8.2%} "
                    f"{same_err:>9}")

@@ -248,9 +248,9 @@ def test_report_states_host_bytes_per_param(precision):
     assert report.host_bytes_per_param == pytest.approx(16.0, abs=0.01)
     assert f"{report.host_bytes_per_param:.2f} B/param" in str(report)
     # `megacompile plan` states the same layout for this precision (a 0-d step per tensor aside).
-    from megacompile.cli import plan_command as plan_cmd
+    from megacompile.cli.plan_command import host_memory
 
-    planned = plan_cmd.host_bytes(numel, precision)["parts"]
+    planned = host_memory.host_bytes(numel, precision)["parts"]
     assert planned == {"weights": weights, "gradients": grads, "optimizer_states": pytest.approx(states, abs=64 * 14)}
     if precision == "fp32":
         assert report.host_staging_peak_bytes == 0

@@ -17,9 +17,19 @@ import torch.nn.functional as F
 from conftest import COMPILED
 
 from megacompile.cli import commands as cli
-from megacompile.cli import plan_command as plan_cmd
 from megacompile.cli import presets
-from megacompile.cli.plan_command import POLICIES, RESIDENT
+from megacompile.cli.plan_command import (
+    POLICIES,
+    RESIDENT,
+    digest,
+    full_depth,
+    host_memory,
+    meta_model,
+    planning,
+    policy_capture,
+    search,
+    traced_layers,
+)
 from megacompile.plan.hardware import get_profile, known_profiles
 
 H200 = get_profile("h200")
@@ -45,10 +55,10 @@ def traces():
         ("offload", "offload", "keep", "keep"), ("offload", "keep", "keep", "keep"),
         ("recompute", "recompute", "keep", "keep"), ("recompute", "offload", "keep", "keep"),
         ("offload", "offload", "recompute", "recompute"))}
-    two = plan_cmd.trace_model(cfg, H200, batch=1, seq_len=64, k=2)
-    raw4 = plan_cmd.trace_policies(cfg, num_layers=4, batch=1, seq_len=64, extra_plans=mixes)
-    four = plan_cmd._digest(raw4, H200, k=4, batch=1, seq_len=64, precision="fp32",
-                            num_params_full=presets.count_parameters(cfg))
+    two = traced_layers.trace_model(cfg, H200, batch=1, seq_len=64, k=2)
+    raw4 = policy_capture.trace_policies(cfg, num_layers=4, batch=1, seq_len=64, extra_plans=mixes)
+    four = digest._digest(raw4, H200, k=4, batch=1, seq_len=64, precision="fp32",
+                          num_params_full=presets.count_parameters(cfg))
     return {"config": cfg, "two": two, "four": four, "raw4": raw4, "mixes": mixes}
 
 
@@ -78,7 +88,7 @@ def test_meta_trace_matches_host_trace():
     compiled(x, x)
     host = next(r for r in COMPILED if r.plan is not None and r.plan.policy.startswith("keep"))
 
-    attempts = plan_cmd.trace_policies(cfg, num_layers=2, batch=2, seq_len=32)["attempts"]
+    attempts = policy_capture.trace_policies(cfg, num_layers=2, batch=2, seq_len=32)["attempts"]
     meta = attempts[RESIDENT if host.plan.resident else "keep"]
     assert host.plan.resident == meta.plan.resident
     assert op_counts(meta.forward) == op_counts(host.forward)
@@ -91,11 +101,11 @@ def test_meta_trace_matches_host_trace():
 
 def test_megatrain_step_runs_on_meta_tensors(traces):
     """The whole step (streaming runtime included) executes on meta tensors, allocating nothing."""
-    model = plan_cmd.build_model(traces["config"], 2)
-    step = plan_cmd.make_step(model)
+    model = meta_model.build_model(traces["config"], 2)
+    step = meta_model.make_step(model)
     compiled = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
     x = torch.zeros(1, 64, dtype=torch.long, device="meta")
-    with plan_cmd._meta_placement():
+    with meta_model._meta_placement():
         loss = compiled(x, x)
     assert loss.device.type == "meta"
     assert all(p.device.type == "meta" for p in model.parameters())
@@ -110,7 +120,7 @@ def test_meta_placement_only_exempts_meta():
     from megacompile.core.errors import PlacementError
 
     original = backend.check_placement
-    with plan_cmd._meta_placement():
+    with meta_model._meta_placement():
         backend.check_placement([torch.nn.Parameter(torch.empty(2, device="meta"))], ["w"], ["param"])
         with pytest.raises(PlacementError):  # a parameter on a GPU is still refused
             backend.check_placement([_OnDevice(torch.empty(2, device="meta"))], ["w"], ["param"])
@@ -133,9 +143,9 @@ class _OnDevice(torch.Tensor):
 
 def test_traced_layers_repeat(traces):
     for trace in (traces["two"], traces["four"]):
-        assert plan_cmd.check_repeat(trace) == []
+        assert digest.check_repeat(trace) == []
         for policy, numbers in trace.policies.items():  # the peak model reproduces each traced plan
-            assert plan_cmd.evaluate(trace, {policy: trace.k}).peak_bytes == numbers.peak, policy
+            assert full_depth.evaluate(trace, {policy: trace.k}).peak_bytes == numbers.peak, policy
         for name in ("param_bytes", "keep.saved_device_bytes", "keep.forward_flops", "keep.backward_flops",
                      "keep.forward_h2d_bytes", "keep.backward_d2h_bytes", "offload.saved_host_bytes",
                      "recompute.saved_device_bytes", "keep.forward_compute_seconds"):
@@ -147,7 +157,7 @@ def test_traced_layers_repeat(traces):
 def test_repeat_check_names_what_differs(traces):
     trace = traces["two"]
     checks = dict(trace.layer_checks, **{"keep.forward_flops": [100, 120]})
-    differ = plan_cmd.check_repeat(dataclasses.replace(trace, layer_checks=checks))
+    differ = digest.check_repeat(dataclasses.replace(trace, layer_checks=checks))
     assert differ == ["keep.forward_flops [100, 120]"]
 
 
@@ -155,7 +165,7 @@ def test_repeat_check_names_what_differs(traces):
 def test_two_layers_extrapolate_to_four(traces, policy):
     """The k=2 plan extrapolated to 4 layers against the real k=4 plan: peak, time, FLOPs, bytes."""
     two, four = traces["two"], traces["four"]
-    predicted = plan_cmd.evaluate(two, {policy: 4})
+    predicted = full_depth.evaluate(two, {policy: 4})
     real = four.policies[policy]
     assert predicted.peak_bytes == pytest.approx(real.peak, rel=0.05)
     assert predicted.peak_bytes == pytest.approx(real.peak, rel=1e-6)  # exact in practice
@@ -177,7 +187,7 @@ def test_mixed_plans_extrapolate_to_four(traces):
     for name, layer_policy in traces["mixes"].items():
         counts = {p: sum(1 for v in layer_policy.values() if v == p) for p in POLICIES}
         attempt = raw4["attempts"][name]
-        predicted = plan_cmd.evaluate(two, counts)
+        predicted = full_depth.evaluate(two, counts)
         real_peak = attempt.plan.peak_bytes
         # Offload and recompute in one plan: both orders are assumed and the larger peak taken.
         both = counts["offload"] and counts["recompute"]
@@ -196,38 +206,38 @@ def test_overlapped_optimizer_extrapolates_to_four(traces, rate):
 
     from megacompile.plan.cost_model import step_time
 
-    two_raw = plan_cmd.trace_policies(traces["config"], num_layers=2, batch=1, seq_len=64)
+    two_raw = policy_capture.trace_policies(traces["config"], num_layers=2, batch=1, seq_len=64)
     profile = dc.replace(H200, host_adamw_params_per_s=rate)
     num_params = presets.count_parameters({**traces["config"], "num_hidden_layers": 4})
-    two = plan_cmd._digest(two_raw, profile, k=2, batch=1, seq_len=64, precision="fp32", num_params_full=num_params)
+    two = digest._digest(two_raw, profile, k=2, batch=1, seq_len=64, precision="fp32", num_params_full=num_params)
     attempt = traces["raw4"]["attempts"]["keep"]
     param_bytes = num_params * 4
     real = step_time(attempt.forward, attempt.backward, profile, optimizer_param_bytes=param_bytes,
                      overlap_optimizer=True)
     device_s = real.forward.total_s + real.backward.total_s
-    predicted = plan_cmd.evaluate(two, {"keep": 4})
+    predicted = full_depth.evaluate(two, {"keep": 4})
     assert predicted.optimizer_exposed_s == pytest.approx(real.total_s - device_s, rel=0.05, abs=1e-6)
     assert predicted.step_s == pytest.approx(real.total_s, rel=0.01)
 
 
 def test_peak_grows_by_saved_bytes_per_layer(traces):
     two = traces["two"]
-    keep = [plan_cmd.full_depth_peak(two, {"keep": n, "offload": 0, "recompute": 0})[0] for n in (10, 11, 12)]
+    keep = [full_depth.full_depth_peak(two, {"keep": n, "offload": 0, "recompute": 0})[0] for n in (10, 11, 12)]
     s = two.policies["keep"].saved_device
     assert keep[1] - keep[0] == keep[2] - keep[1] == s
-    off = [plan_cmd.full_depth_peak(two, {"keep": 0, "offload": n, "recompute": 0})[0] for n in (10, 40)]
+    off = [full_depth.full_depth_peak(two, {"keep": 0, "offload": n, "recompute": 0})[0] for n in (10, 40)]
     assert off[0] == off[1]  # offloaded layers keep nothing on the device
 
 
 # --- host bytes ---------------------------------------------------------------------------------
 
 def test_host_bytes_per_parameter():
-    fp32 = plan_cmd.host_bytes(1000, "fp32")
+    fp32 = host_memory.host_bytes(1000, "fp32")
     assert fp32["bytes_per_param"] == 16 and fp32["total_bytes"] == 16000
     assert fp32["pinned_bytes"] == 8000 and fp32["pageable_bytes"] == 8000  # weights + grads | AdamW states
     # bf16 keeps the same fp32 state on the host as fp32 (the runtime's layout: its bf16 copies
     # are transient staging); tests/test_bf16.py checks these numbers against a real run.
-    bf16 = plan_cmd.host_bytes(1000, "bf16", offloaded_activation_bytes=500)
+    bf16 = host_memory.host_bytes(1000, "bf16", offloaded_activation_bytes=500)
     assert bf16["bytes_per_param"] == 16 and bf16["overlapped_bytes_per_param"] == 12
     assert bf16["parts"] == {"weights": 4000, "gradients": 4000, "optimizer_states": 8000,
                              "offloaded_activations": 500}
@@ -238,7 +248,7 @@ def test_host_bytes_per_parameter():
 
 def test_plan_model_small_fits():
     cfg = small_config(layers=4)
-    r = plan_cmd.plan_model(cfg, H200, batch=2, seq_len=64, model_name="small")
+    r = planning.plan_model(cfg, H200, batch=2, seq_len=64, model_name="small")
     d = json.loads(r.to_json())
     assert d["fits"] and d["device"]["fits"] and d["host"]["fits"]
     # Everything fits with room: the planner's first rung, parameters resident for the step.
@@ -263,7 +273,7 @@ def test_plan_model_small_fits():
     assert tr["h2d"]["parameters_forward"] >= params
     assert tr["h2d"]["parameters_backward"] < params // 100
     assert tr["d2h"]["gradients"] == params
-    streamed = plan_cmd.plan_model(cfg, H200, batch=2, seq_len=64, budget=d["device"]["keep_all_peak_bytes"])
+    streamed = planning.plan_model(cfg, H200, batch=2, seq_len=64, budget=d["device"]["keep_all_peak_bytes"])
     assert streamed.device["plan"] == "keep all 4 layers"
     assert streamed.transfers["h2d"]["parameters_backward"] > params // 2  # loaded again for the backward
     assert r.to_text().splitlines()[-1].endswith("fits")
@@ -271,8 +281,8 @@ def test_plan_model_small_fits():
 
 def test_plan_model_bf16():
     cfg = small_config(layers=4)
-    fp32 = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=64, precision="fp32")
-    bf16 = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=64, precision="bf16")
+    fp32 = planning.plan_model(cfg, H200, batch=1, seq_len=64, precision="fp32")
+    bf16 = planning.plan_model(cfg, H200, batch=1, seq_len=64, precision="bf16")
     n = presets.count_parameters(cfg)
     assert bf16.host["total_bytes"] == 16 * n == fp32.host["total_bytes"]
     assert bf16.transfers["d2h"]["gradients"] == 2 * n == fp32.transfers["d2h"]["gradients"] // 2
@@ -298,8 +308,8 @@ def test_search_largest_on_a_quadratic(start, budget):
         traces[x] = _synthetic(peak(x))
         return peak(x) <= budget
 
-    r = plan_cmd.search_largest("seq_len", fits_at, traces, start=start, step=128, lo_limit=128, hi_limit=1 << 21,
-                                predict_fits=lambda m: plan_cmd._min_peak(m, 4, None) <= budget)
+    r = search.search_largest("seq_len", fits_at, traces, start=start, step=128, lo_limit=128, hi_limit=1 << 21,
+                              predict_fits=lambda m: full_depth._min_peak(m, 4, None) <= budget)
     best = max((x for x in range(128, (1 << 21) + 1, 128) if peak(x) <= budget), default=None)
     assert r.value == best
     assert len(r.probes) <= 5
@@ -309,10 +319,10 @@ def test_search_largest_on_a_quadratic(start, budget):
 def test_plan_model_budget_too_small_names_the_fix():
     """A budget no plan meets: device memory runs out; the suggested budget and seq len fit."""
     cfg = small_config(layers=4)
-    trace = plan_cmd.trace_model(cfg, H200, batch=1, seq_len=128)
-    _, smallest, _ = plan_cmd.choose_plan(trace, 4, budget=0, host_free=None)
+    trace = traced_layers.trace_model(cfg, H200, batch=1, seq_len=128)
+    _, smallest, _ = full_depth.choose_plan(trace, 4, budget=0, host_free=None)
     budget = smallest.peak_bytes - 1
-    r = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=128, budget=budget, seq_multiple=16)
+    r = planning.plan_model(cfg, H200, batch=1, seq_len=128, budget=budget, seq_multiple=16)
     assert not r.fits and not r.device["fits"] and r.host["fits"]
     (problem,) = r.problems
     assert problem["resource"] == "device memory" and problem["short_by_bytes"] == 1
@@ -320,8 +330,8 @@ def test_plan_model_budget_too_small_names_the_fix():
     assert by_change["budget"] == smallest.peak_bytes == r.device["smallest_peak_bytes"]
     seq = by_change["seq_len"]
     assert seq is not None and seq < 128 and seq % 16 == 0
-    ok = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=seq, budget=budget, search=False)
-    over = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=seq + 16, budget=budget, search=False)
+    ok = planning.plan_model(cfg, H200, batch=1, seq_len=seq, budget=budget, search=False)
+    over = planning.plan_model(cfg, H200, batch=1, seq_len=seq + 16, budget=budget, search=False)
     assert ok.device["fits"] and not over.device["fits"]
     text = r.to_text()
     assert "DOES NOT FIT" in text and "device memory runs out" in text and f"seq_len {seq}" in text
@@ -330,7 +340,7 @@ def test_plan_model_budget_too_small_names_the_fix():
 def test_host_memory_too_small():
     cfg = small_config(layers=2)
     n = presets.count_parameters(cfg)
-    r = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=32, host_memory=10 * n)
+    r = planning.plan_model(cfg, H200, batch=1, seq_len=32, host_memory=10 * n)
     assert r.device["fits"] and not r.host["fits"] and not r.fits
     (problem,) = r.problems
     assert problem["resource"] == "host memory"
@@ -415,10 +425,10 @@ def test_cli_max_seq_len(capsys, tmp_path):
 def test_cached_trace_is_replanned_for_a_smaller_budget():
     """A keep-only trace (keep fit the first budget) must not serve a budget keep does not fit."""
     cfg = small_config(layers=4)
-    plan_cmd._TRACE_CACHE.clear()
-    roomy = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=64, search=False)
+    traced_layers._TRACE_CACHE.clear()
+    roomy = planning.plan_model(cfg, H200, batch=1, seq_len=64, search=False)
     assert not roomy.trace.complete
-    tight = plan_cmd.plan_model(cfg, H200, batch=1, seq_len=64, budget=roomy.device["keep_all_peak_bytes"] - 1,
+    tight = planning.plan_model(cfg, H200, batch=1, seq_len=64, budget=roomy.device["keep_all_peak_bytes"] - 1,
                                 search=False)
     assert tight.trace.complete and tight.device["fits"]
     assert tight.device["plan"].startswith("per-layer") or "offload" in tight.device["plan"] \

@@ -26,6 +26,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, NamedTuple, Sequence
 
 from megacompile.capture.records import recording
+from megacompile.cli.plan_command import command as plan_command
 from megacompile.core import torch_compat as _torch_compat
 from megacompile.core.units import format_bytes
 
@@ -510,7 +511,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                add_inspect_arguments, run_inspect),
     Subcommand("calibrate", "measure this machine (matmul, host<->device bandwidth, host AdamW) into a "
                "hardware profile", calibrate.add_arguments, calibrate.run),
-    Subcommand(*importlib.import_module("megacompile.cli.plan_command").SUBCOMMAND),
+    Subcommand(*plan_command.SUBCOMMAND),
 )
 
 

@@ -7,4 +7,6 @@
 - ``solvers``: multiple-choice knapsack solvers, exact and greedy.
 - ``flat_planner``: candidates built over the whole graph, priced, the ladder, the choice.
 - ``template_planner``: repeated layers planned on two short copies, extrapolated to N.
+- ``depth_extrapolation``: a short program's numbers carried to N layers, linearly
+  (the template planner's and ``megacompile plan``'s).
 """

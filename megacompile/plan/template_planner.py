@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from megacompile.core.node_info import BODY_NODE
 from megacompile.core.units import format_bytes
+from megacompile.plan.depth_extrapolation import extend_to_depth, per_layer_from_two_depths
 from megacompile.plan.flat_planner import Attempt, PlanMaker, ladder_of, saved_groups, solver_mixes
 from megacompile.plan.solvers import SOLVERS, Option
 from megacompile.plan.training_plan import PlanSpec
@@ -84,8 +85,8 @@ class Priced:
 
 
 def _extrapolate(values: list[float], depths: tuple, n: int) -> float:
-    (k1, k2), (v1, v2) = depths, values
-    return v2 + (n - k2) * max(0.0, (v2 - v1) / (k2 - k1))
+    """A quantity at n layers, from the longer copy on by what one more layer added between them."""
+    return extend_to_depth(values[-1], [(n - depths[-1], per_layer_from_two_depths(values, depths))])
 
 
 def _price(spec: Spec, templates: list[Template], n: int) -> Priced:
