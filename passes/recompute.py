@@ -14,7 +14,12 @@ The plan gives a policy per layer (``plan.layer_policy``):
 In both, views of host inputs (``t(weight)``) and host casts (``host_casts``: a parameter cast
 to bf16 on the host) are never saved: the backward re-derives them from the host tensor, so
 no parameter copy stays on the device (or on the host) from forward to backward.
-Random ops are always saved (replaying them would draw new numbers).
+Random ops are always saved (replaying them would draw new numbers), and so is every op that
+reads an input the step updates in place (BatchNorm's ``_native_batch_norm_legit_functional``
+reads the running statistics, which AOTAutograd overwrites with their new values once the
+forward has run): replayed in the backward, it would read the updated buffer, whose version
+autograd also refuses for a saved tensor. The running statistics are updated once, by the
+forward, as in eager.
 
 Backward stage: the partitioner copies recomputed forward ops to the front of the backward
 graph, which would replay every layer at once. This pass sinks each recomputed op to just
@@ -115,6 +120,8 @@ class SavedValueWalk:
     fwd_set: set
     needed: list[fx.Node]
     saved_sym: list[fx.Node]
+    # Inputs the step updates in place (compat.mutated_inputs): no replay may read them.
+    mutated: set = dataclasses.field(default_factory=set)
 
     @classmethod
     def of(cls, joint: fx.GraphModule) -> "SavedValueWalk":
@@ -128,7 +135,8 @@ class SavedValueWalk:
             if isinstance(out, fx.Node) and out in fwd_set and out not in needed:
                 needed.append(out)
         saved_sym = [n for n in needed if compat.is_sym_node(n)]
-        return cls(fwd, fwd_set, [n for n in needed if not compat.is_sym_node(n)], saved_sym)
+        return cls(fwd, fwd_set, [n for n in needed if not compat.is_sym_node(n)], saved_sym,
+                   set(compat.mutated_inputs(joint)))
 
     def walk(self, layer_policy: dict[str, str], default_policy: str = "keep",
              value_policy: dict[str, str] | None = None, value_reason: dict[str, str] | None = None,
@@ -179,6 +187,17 @@ class SavedValueWalk:
                 return "inside a layer: replayed from the layer's input"
             return "not read by the backward: replayed for a recomputed value"
 
+        def pinned(n: fx.Node) -> str | None:
+            """Why the backward cannot replay ``n`` (None: it can)."""
+            if _is_random(n):
+                return "random op: replay would differ"
+            for i in n.all_input_nodes if self.mutated else ():
+                for root in _host_view_roots(i, view_memo) or ():
+                    if root in self.mutated:
+                        return (f"reads '{info(root).source or root.name}', which the step updates in place: "
+                                f"a replay in the backward would read the updated value")
+            return None
+
         def crosses_layer(n: fx.Node) -> bool:
             return any(u in fwd_set and u.op != "output" and info(u).layer != info(n).layer for u in n.users)
 
@@ -205,17 +224,17 @@ class SavedValueWalk:
                     marks[n] = ("recompute", "view of a host tensor, free to re-derive")
                 continue
             producer = n.args[0] if n.target is operator.getitem else n
-            random = isinstance(producer, fx.Node) and _is_random(producer)
+            why_pinned = pinned(producer) if isinstance(producer, fx.Node) and producer.op == "call_function" else None
             if isinstance(n.meta.get("val"), (tuple, list)):
-                if _is_random(n):
+                if why_pinned:
                     # Save a tuple op's outputs, never the tuple itself.
                     worklist.extend(u for u in n.users if u.target is operator.getitem and u in fwd_set)
                 else:
                     # Reached only from a replayed output: replay the op.
                     replay(n, replay_reason(n))
                 continue
-            if n.op == "placeholder" or random:
-                save(n, "random op: replay would differ" if random else "graph input")
+            if n.op == "placeholder" or why_pinned:
+                save(n, why_pinned or "graph input")
                 continue
             chosen = value_policy.get(n.name) if n in candidates else None
             if chosen is not None:

@@ -70,6 +70,11 @@ def wrap_in_autocast(gm: fx.GraphModule, device_type: str, dtype: torch.dtype) -
 from torch._functorch import partitioners as _partitioners  # noqa: E402
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402,F401
 
+try:  # AOTAutograd's input/output descriptors (node.meta["desc"] of the joint graph)
+    from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput as _InputMutation  # noqa: E402
+except ImportError:  # pragma: no cover (a release without descriptors)
+    _InputMutation = None
+
 
 def is_primal(node: fx.Node) -> bool:
     return node.op == "placeholder" and node.target.startswith("primals")
@@ -85,6 +90,21 @@ def is_forward_tagged(node: fx.Node) -> bool:
 
 def is_backward_tagged(node: fx.Node) -> bool:
     return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def mutated_inputs(joint: fx.GraphModule) -> list[fx.Node]:
+    """The joint graph's placeholders whose value the step updates in place (a BatchNorm's
+    running statistics, ``num_batches_tracked``). AOTAutograd's forward returns their new
+    values and its runtime copies them into the inputs once the forward has run, so in the
+    backward such an input holds its updated value (and autograd refuses it as a saved
+    tensor: its version moved). Read from the output's descriptors
+    (``InputMutationAOTOutput``); none where a release records no descriptors."""
+    output = next(iter(joint.graph.find_nodes(op="output")))
+    descs = output.meta.get("desc") if _InputMutation is not None else None
+    if not descs:
+        return []
+    mutated = {d.mutated_input for d in descs if isinstance(d, _InputMutation)}
+    return [n for n in joint.graph.find_nodes(op="placeholder") if n.meta.get("desc") in mutated]
 
 
 def extract_forward_backward(
