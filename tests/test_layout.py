@@ -188,3 +188,13 @@ def test_ruff_is_clean():
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_package_is_installed():
+    """A non-editable install ships exactly the packages pyproject.toml lists: each folder
+    with an __init__.py under megacompile/ (and passes/, runtime/) must be listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {_module_name(init) for folder in FOLDERS for init in (ROOT / folder).rglob("__init__.py")}
+    assert found - listed == set() and "megacompile.cli.plan_command" in found
