@@ -22,3 +22,19 @@ def fresh_dynamo():
         yield
     torch._dynamo.reset()
     COMPILED.clear()
+
+
+def compile_small_training_graph(**options):
+    """Compiles and runs one step of a 2-linear MLP on the CPU stand-in (eager lowering, plus
+    ``options``); returns the record of its training graph."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    compiled = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager", **options})
+    compiled(torch.randn(2, 8))
+    return next(r for r in COMPILED if r.backward is not None)

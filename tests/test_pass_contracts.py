@@ -4,8 +4,7 @@ Also: provenance comes from node-creation hooks, and facts (not pass names) tell
 what holds.
 """
 import pytest
-import torch
-from conftest import COMPILED
+from conftest import compile_small_training_graph
 
 import megacompile
 from megacompile.core import ops
@@ -66,18 +65,7 @@ def test_optional_passes_are_derived_from_the_contracts():
 
 
 def _compiled_record(**options):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        return loss
-
-    compiled = torch.compile(step, backend="megatrain",
-                             options={"device": "cpu", "lowering": "eager", "snapshots": True, **options})
-    compiled(torch.randn(2, 8))
-    return next(r for r in COMPILED if r.backward is not None)
+    return compile_small_training_graph(snapshots=True, **options)
 
 
 def test_provenance_comes_from_node_creation():

@@ -5,8 +5,7 @@ import dataclasses
 import pickle
 
 import pytest
-import torch
-from conftest import COMPILED
+from conftest import compile_small_training_graph
 
 from megacompile.core.enums import Phase, Placement, Policy, Role
 from megacompile.core.node_info import has_info, info
@@ -41,18 +40,7 @@ def test_a_built_plan_reads_its_spec_and_keeps_results_apart():
 
 
 def test_compiled_nodes_and_plans_carry_the_enums():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        return loss
-
-    compiled = torch.compile(step, backend="megatrain",
-                             options={"device": "cpu", "lowering": "eager", "recompute": "always"})
-    compiled(torch.randn(2, 8))
-    record = next(r for r in COMPILED if r.backward is not None)
+    record = compile_small_training_graph(recompute="always")
     assert isinstance(record.plan.spec, PlanSpec) and record.plan.default_policy is Policy.RECOMPUTE
     phases = set()
     for gm in (record.forward, record.backward):
