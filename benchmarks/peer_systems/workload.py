@@ -14,6 +14,10 @@ import os
 
 import torch
 
+# Where the systems train: "cuda" for the benchmark; "cpu" only to try the driver on a machine
+# without a GPU (megatrain's CPU stand-in; the other systems need CUDA).
+DEVICE = os.environ.get("PEERS_DEVICE", "cuda")
+
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -96,3 +100,31 @@ class Workload:
         n = self.num_params() - self.vocab * self.hidden
         attention = 6 * 2 * self.layers * self.batch * self.seq * self.seq * self.hidden / 2
         return 6.0 * n * self.tokens_per_step + attention
+
+
+def timed_steps(step, batches) -> tuple[list[float], list[float]]:
+    """Run ``step(x)`` on each batch; a step ends when its loss reached the host as a float."""
+    import time
+
+    losses, times = [], []
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    for x in batches:
+        sync()
+        start = time.perf_counter()
+        loss = float(step(x))
+        sync()
+        times.append(time.perf_counter() - start)
+        losses.append(loss)
+    return times, losses
+
+
+def single_rank_process_group(backend: str = "nccl") -> None:
+    """A world of one, as ``torchrun --nproc-per-node 1`` would set it up."""
+    import torch.distributed as dist
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
+                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    torch.cuda.set_device(0)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=0, world_size=1)

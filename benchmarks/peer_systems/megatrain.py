@@ -1,0 +1,55 @@
+"""megatrain: the user's training step compiled with ``backend="megatrain"``, the model on the host.
+
+bf16 compute with fp32 master weights, gradients and AdamW states on the host; the decoder
+layers marked repeated so one layer is traced and the template planner prices the plans."""
+from __future__ import annotations
+
+import torch
+
+from .workload import DEVICE, timed_steps
+
+
+def train(workload) -> dict:
+    import megacompile
+    from megacompile.capture.records import recording
+    from megacompile.plan.cost_model import predict_record
+    from megacompile.plan.hardware import get_profile
+
+    model = workload.build_model()
+    marked = megacompile.mark_repeated_layers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.0)
+
+    def step(x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    options = {"device": DEVICE, "precision": "bf16", "memory_budget": workload.budget_bytes}
+    if workload.hardware:
+        options["hardware"] = workload.hardware
+    records: list = []
+    with recording(into=records):
+        compiled = torch.compile(step, backend="megatrain", options=options)
+        times, losses = timed_steps(compiled, workload.batches())
+    report = megacompile.last_report()
+    record = [r for r in records if r.backward is not None][-1]
+    profile = get_profile(record.options.hardware_profile())
+    prediction = predict_record(record, profile, tokens=workload.tokens_per_step)
+    return {
+        "step_times": times,
+        "losses": losses,
+        "notes": f"megacompile, options {options}; {len(marked)} layers marked repeated; plan: {report.policy}",
+        "megatrain": {
+            "predicted_step_s": prediction.total_s,
+            "predicted": {"compute_s": prediction.compute_s, "h2d_s": prediction.h2d_s, "d2h_s": prediction.d2h_s,
+                          "host_optimizer_s": prediction.host_optimizer_s, "bottleneck": prediction.bottleneck},
+            "planned_peak_device_bytes": report.planned_peak_device_bytes,
+            "measured_peak_device_bytes": report.measured_peak_device_bytes,
+            "host_bytes_per_param": report.host_bytes_per_param,
+            "h2d_bytes": report.h2d_bytes, "d2h_bytes": report.d2h_bytes,
+            "optimizer": report.optimizer, "segments": report.segments,
+            "graphs": report.graphs,
+        },
+    }

@@ -1,0 +1,280 @@
+"""megatrain side by side with the systems people use to train models larger than the GPU.
+
+Usage:  python benchmarks/peers.py [--layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB]
+            [--systems megatrain,fsdp2_cpu_offload,...] [--hardware CALIBRATE.json]
+            [--merge-into RESULT.json] [--out-dir benchmarks/results]
+
+Every system trains the same Hugging Face Llama (Llama-2-7B's shape by default, as deep as
+``--layers``), from the same weights, on the same batches, in bf16 compute with fp32 master
+weights and AdamW, each in its own process on the same GPU, one after the other:
+  megatrain                 torch.compile(step, backend="megatrain"), model on the host
+  fsdp2_cpu_offload         FSDP2 fully_shard + CPUOffloadPolicy + MixedPrecisionPolicy + AC
+  deepspeed_zero3_offload   DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU
+  megatrain_reference       MegaTrain's own code (carried in .peers/MegaTrain, not in the repo)
+  resident_torch_compile    everything on the GPU, torch.compile, where it fits
+(one module per system in benchmarks/peer_systems/). A system that fails is listed with its
+error. The step time is the median of the steps after the first two (compile and warm-up);
+tokens/s and TFLOPS follow from it (6 x params x tokens, MegaTrain's formula, and with causal
+attention). Host memory is the peak resident set of the worker's process tree, sampled here.
+
+Writes ``peers-<date>-<gpu>.json`` and a ``.txt`` table beside it; ``--merge-into`` adds this
+run's systems to an earlier file of the same workload (a device call is at most 10 minutes,
+so the systems may run in two calls).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # peer_systems, and megacompile from this checkout
+
+from peer_systems.workload import Workload  # noqa: E402
+
+SYSTEMS = ("megatrain", "fsdp2_cpu_offload", "deepspeed_zero3_offload", "megatrain_reference",
+           "resident_torch_compile")
+WARMUP_STEPS = 2
+GiB = 1024**3
+
+
+# ----------------------------------------------------------------------------- worker side
+
+def run_worker(system: str, workload: Workload, result_path: str) -> int:
+    """Train with one system in this process and write its measurements to ``result_path``."""
+    import importlib
+    import resource
+
+    import torch
+
+    result: dict = {"error": None}
+    start = time.perf_counter()
+    try:
+        module = importlib.import_module(f"peer_systems.{system}")
+        out = module.train(workload)
+        times, losses = out.pop("step_times"), out.pop("losses")
+        steady = times[WARMUP_STEPS:] or times
+        step_s = statistics.median(steady)
+        result.update(
+            step_times=times, losses=losses, step_s=step_s,
+            tokens_per_s=workload.tokens_per_step / step_s,
+            tflops_6nt=workload.flops_6nt() / step_s / 1e12,
+            tflops_with_attention=workload.flops_with_attention() / step_s / 1e12,
+            **out,
+        )
+    except BaseException as exc:  # noqa: B036 - a failed peer is a result, not a crash
+        import traceback
+
+        traceback.print_exc()
+        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    result["wall_s"] = time.perf_counter() - start
+    if torch.cuda.is_available():
+        result["allocated_peak_bytes"] = torch.cuda.max_memory_allocated()
+        result["reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
+        result["gpu"] = torch.cuda.get_device_name()
+    result["worker_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["torch"] = torch.__version__
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+# ----------------------------------------------------------------------------- driver side
+
+def _tree_rss_bytes(pid: int) -> int:
+    """Resident set of ``pid`` and its descendants, read from /proc (0 once they are gone)."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return total
+
+
+def run_system(system: str, workload: Workload, timeout_s: float, log_dir: str) -> dict:
+    """One system in its own process; its peak process-tree RSS is sampled every 0.2 s."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = f.name
+    log_path = os.path.join(log_dir, f"{system}.log")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system,
+           "--workload", json.dumps(dataclasses.asdict(workload)), "--result", result_path]
+    print(f"[peers {time.strftime('%H:%M:%S')}] {system} ...", file=sys.stderr, flush=True)
+    peak = [0]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(0.2):
+                peak[0] = max(peak[0], _tree_rss_bytes(proc.pid))
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+            code = f"timeout after {timeout_s:.0f} s"
+        done.set()
+        sampler.join()
+    try:
+        with open(result_path) as f:
+            result = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        with open(log_path) as f:
+            tail = f.read()[-1500:]
+        result = {"error": f"worker ended without a result (exit {code}; -9 is a kill, e.g. host out of "
+                           f"memory): ...{tail}"}
+    os.unlink(result_path) if os.path.exists(result_path) else None
+    result["host_rss_peak_bytes"] = peak[0]
+    result.setdefault("budget_bytes", workload.budget_bytes if system == "megatrain" else None)
+    status = result["error"] or f"{result['step_s']:.3f} s/step, {result['tflops_6nt']:.1f} TFLOPS (6NT)"
+    print(f"[peers {time.strftime('%H:%M:%S')}] {system}: {status}", file=sys.stderr, flush=True)
+    return result
+
+
+FIELDS = ("tokens_per_s", "tflops_6nt", "tflops_with_attention", "allocated_peak_bytes", "reserved_peak_bytes",
+          "budget_bytes", "host_rss_peak_bytes", "losses", "error")
+
+
+def table(doc: dict) -> str:
+    w = doc["workload"]
+    lines = [
+        f"megatrain and its peers, side by side  {doc['date']}",
+        f"gpu: {doc['gpu']}; host: {doc.get('host', '?')}; torch {doc.get('torch', '?')}",
+        f"model: {doc['model']}: {doc['params'] / 1e9:.3f} B parameters",
+        f"{w['batch']} x {w['seq']} = {doc['tokens_per_step']} tokens per step; bf16 compute, fp32 master weights, "
+        f"AdamW lr {w['lr']}; step time = median of steps {WARMUP_STEPS + 1}..{w['steps']}",
+        f"command: {doc['command']}",
+        "",
+        f"{'system':<26}{'step s':>8}{'tokens/s':>10}{'TFLOPS 6NT':>11}{'w/ attn':>9}{'alloc GiB':>10}"
+        f"{'reserved':>9}{'host RSS':>9}  losses / error",
+    ]
+    for name in SYSTEMS:
+        r = doc["systems"].get(name)
+        if r is None:
+            continue
+        gib = lambda v: f"{v / GiB:.1f}" if v else "-"  # noqa: E731
+        if r.get("error"):
+            lines.append(f"{name:<26}{'-':>8}{'-':>10}{'-':>11}{'-':>9}{gib(r.get('allocated_peak_bytes')):>10}"
+                         f"{gib(r.get('reserved_peak_bytes')):>9}{gib(r.get('host_rss_peak_bytes')):>9}  "
+                         f"ERROR {r['error'][:300]}")
+            continue
+        losses = " ".join(f"{v:.4f}" for v in r["losses"])
+        lines.append(f"{name:<26}{r['step_s']:>8.3f}{r['tokens_per_s']:>10,.0f}{r['tflops_6nt']:>11.1f}"
+                     f"{r['tflops_with_attention']:>9.1f}{gib(r.get('allocated_peak_bytes')):>10}"
+                     f"{gib(r.get('reserved_peak_bytes')):>9}{gib(r.get('host_rss_peak_bytes')):>9}  {losses}")
+    ours = doc["systems"].get("megatrain")
+    if ours and not ours.get("error"):
+        lines.append("")
+        for name in SYSTEMS[1:]:
+            r = doc["systems"].get(name)
+            if r and not r.get("error"):
+                lines.append(f"megatrain / {name}: {ours['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s")
+        m = ours.get("megatrain", {})
+        if m.get("predicted_step_s"):
+            lines.append(f"megatrain step {ours['step_s']:.3f} s vs cost model {m['predicted_step_s']:.3f} s "
+                         f"(measured / predicted {ours['step_s'] / m['predicted_step_s']:.2f}; {m.get('predicted')})")
+        if ours.get("budget_bytes") and ours.get("allocated_peak_bytes"):
+            lines.append(f"megatrain budget {ours['budget_bytes'] / GiB:.1f} GiB: allocated peak "
+                         f"{ours['allocated_peak_bytes'] / ours['budget_bytes']:.2f}x, reserved peak "
+                         f"{ours['reserved_peak_bytes'] / ours['budget_bytes']:.2f}x of it; host "
+                         f"{m.get('host_bytes_per_param', 0):.1f} B/param by the report, RSS "
+                         f"{ours['host_rss_peak_bytes'] / doc['params']:.1f} B/param")
+    for name, r in doc["systems"].items():
+        lines.append(f"{name}: {r.get('notes', '')}  (process wall {r.get('wall_s', 0):.0f} s; "
+                     f"step times {', '.join(f'{t:.2f}' for t in r.get('step_times', []))})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=11008)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--budget", default="60GiB", help="megatrain's memory_budget")
+    p.add_argument("--hardware", default=None, help="megatrain's cost-model profile (name or calibrate JSON)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--timeout", type=float, default=540, help="seconds per system")
+    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--merge-into", default=None, help="add this run's systems to this earlier result file")
+    p.add_argument("--tag", default="", help="appended to the result file name")
+    args = p.parse_args(argv)
+    if args.worker:
+        return run_worker(args.worker, Workload(**json.loads(args.workload)), args.result)
+
+    from megacompile.core.units import parse_bytes
+
+    workload = Workload(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, heads=args.heads,
+                        kv_heads=args.kv_heads, vocab=args.vocab, seq=args.seq, batch=args.batch, steps=args.steps,
+                        lr=args.lr, budget_bytes=parse_bytes(args.budget), hardware=args.hardware)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.merge_into:
+        with open(args.merge_into) as f:
+            doc = json.load(f)
+        if doc["workload"] != dataclasses.asdict(workload):
+            p.error(f"--merge-into {args.merge_into} holds another workload: {doc['workload']}")
+        doc["command"] += f"  &&  {' '.join(['python', 'benchmarks/peers.py', *sys.argv[1:]])}"
+    else:
+        doc = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+               "command": " ".join(["python", "benchmarks/peers.py", *sys.argv[1:]]),
+               "model": f"HF Llama (Llama-2-7B shape: hidden {args.hidden}, MLP {args.intermediate}, heads "
+                        f"{args.heads}/{args.kv_heads}, vocab {args.vocab}), {args.layers} layers, sdpa attention",
+               "params": workload.num_params(), "tokens_per_step": workload.tokens_per_step,
+               "workload": dataclasses.asdict(workload), "systems": {}}
+    os.makedirs(args.out_dir, exist_ok=True)
+    log_dir = tempfile.mkdtemp(prefix="peers-logs-")
+    for system in systems:
+        result = run_system(system, workload, args.timeout, log_dir)
+        doc["systems"][system] = result
+        doc.setdefault("gpu", result.get("gpu"))
+        doc.setdefault("torch", result.get("torch"))
+    doc["host"] = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB"
+    doc["logs"] = log_dir
+    gpu = re.sub(r"[^a-z0-9]+", "-", (doc.get("gpu") or "unknown").lower()).strip("-")
+    path = args.merge_into or os.path.join(
+        args.out_dir, f"peers-{datetime.date.today()}-{gpu}{'-' + args.tag if args.tag else ''}.json")
+    # The systems in their fixed order, whatever order the calls ran them in.
+    doc["systems"] = {s: doc["systems"][s] for s in SYSTEMS if s in doc["systems"]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    text = table(doc)
+    with open(os.path.splitext(path)[0] + ".txt", "w") as f:
+        f.write(text + "\n")
+    print(text)
+    print(f"\nwrote {path} and its .txt; worker logs in {log_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
