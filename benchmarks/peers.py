@@ -204,6 +204,20 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def write_result(doc: dict, args) -> tuple[str, str]:
+    gpu = re.sub(r"[^a-z0-9]+", "-", (doc.get("gpu") or "unknown").lower()).strip("-")
+    path = args.merge_into or os.path.join(
+        args.out_dir, f"peers-{datetime.date.today()}-{gpu}{'-' + args.tag if args.tag else ''}.json")
+    # The systems in their fixed order, whatever order the calls ran them in.
+    doc["systems"] = {s: doc["systems"][s] for s in SYSTEMS if s in doc["systems"]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    text = table(doc)
+    with open(os.path.splitext(path)[0] + ".txt", "w") as f:
+        f.write(text + "\n")
+    return path, text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -254,23 +268,14 @@ def main(argv=None) -> int:
                "workload": dataclasses.asdict(workload), "systems": {}}
     os.makedirs(args.out_dir, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix="peers-logs-")
+    doc["host"] = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB"
+    doc["logs"] = log_dir
     for system in systems:
         result = run_system(system, workload, args.timeout, log_dir)
         doc["systems"][system] = result
         doc.setdefault("gpu", result.get("gpu"))
         doc.setdefault("torch", result.get("torch"))
-    doc["host"] = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB"
-    doc["logs"] = log_dir
-    gpu = re.sub(r"[^a-z0-9]+", "-", (doc.get("gpu") or "unknown").lower()).strip("-")
-    path = args.merge_into or os.path.join(
-        args.out_dir, f"peers-{datetime.date.today()}-{gpu}{'-' + args.tag if args.tag else ''}.json")
-    # The systems in their fixed order, whatever order the calls ran them in.
-    doc["systems"] = {s: doc["systems"][s] for s in SYSTEMS if s in doc["systems"]}
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    text = table(doc)
-    with open(os.path.splitext(path)[0] + ".txt", "w") as f:
-        f.write(text + "\n")
+        path, text = write_result(doc, args)  # after each system: a call cut off keeps what ran
     print(text)
     print(f"\nwrote {path} and its .txt; worker logs in {log_dir}")
     return 0
