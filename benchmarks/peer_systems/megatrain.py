@@ -4,6 +4,9 @@ bf16 compute with fp32 master weights, gradients and AdamW states on the host; t
 layers marked repeated so one layer is traced and the template planner prices the plans."""
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from .workload import DEVICE, timed_steps
@@ -29,10 +32,16 @@ def train(workload) -> dict:
     options = {"device": DEVICE, "precision": "bf16", "memory_budget": workload.budget_bytes}
     if workload.hardware:
         options["hardware"] = workload.hardware
+    # Variants for diagnosis, e.g. PEERS_MEGATRAIN_OPTIONS='{"recompute": "always"}'.
+    options.update(json.loads(os.environ.get("PEERS_MEGATRAIN_OPTIONS", "{}")))
     records: list = []
     with recording(into=records):
         compiled = torch.compile(step, backend="megatrain", options=options)
-        times, losses = timed_steps(compiled, workload.batches())
+        batches = workload.batches()
+        times, losses = timed_steps(compiled, batches)
+        if os.environ.get("PEERS_MEGATRAIN_TRACE"):  # a Chrome trace of one more step
+            with megacompile.trace_runtime(os.environ["PEERS_MEGATRAIN_TRACE"]):
+                float(compiled(batches[-1]))
     report = megacompile.last_report()
     record = [r for r in records if r.backward is not None][-1]
     profile = get_profile(record.options.hardware_profile())
