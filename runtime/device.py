@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from megacompile.runtime import trace
 from megacompile.runtime.tracker import ArenaTracker, CudaTracker
+from megacompile.runtime.weight_copies import WeightCopies
 
 
 @dataclasses.dataclass
@@ -53,11 +54,16 @@ class StreamingDevice:
     # Runtime-trace lanes of the memory ops' issuing side (see runtime/trace.py).
     trace_copy_lanes = {"load": "h2d", "offload": "d2h"}
 
+    # Page-lock the persistent bf16 weight copies (CUDA: their loads are then true DMAs).
+    page_locks_weight_copies = False
+
     def __init__(self) -> None:
         self.stats = TransferStats()
-        # Transient host copies the program makes (bf16 casts of parameters before their
-        # load, bf16 gradients before their fp32 cast): live and peak bytes.
+        # Transient host copies the program makes (bf16 gradients before their fp32 cast):
+        # live and peak bytes.
         self.host_staging = ArenaTracker()
+        # The bf16 copies of host weights that loads carry (runtime/weight_copies.py).
+        self.weight_copies = WeightCopies(page_lock=self.page_locks_weight_copies)
 
     def reset_stats(self) -> None:
         self.stats = TransferStats()
@@ -95,6 +101,10 @@ class StreamingDevice:
 
     def synchronize(self) -> None:
         pass
+
+    def loads_done(self) -> None:
+        """Returns once every load issued so far has read its host memory: the host
+        optimizer calls it before it rewrites weights (or their copies) in place."""
 
 
 class CpuStandInDevice(StreamingDevice):
@@ -144,6 +154,7 @@ class CpuStandInDevice(StreamingDevice):
 
 class CudaDevice(StreamingDevice):
     kind = "cuda"
+    page_locks_weight_copies = True
     # Issuing a copy only enqueues it; the copy's own time comes from CUDA events.
     trace_copy_lanes = {"load": "h2d enqueue", "offload": "d2h enqueue"}
 
@@ -230,6 +241,9 @@ class CudaDevice(StreamingDevice):
     def synchronize(self):
         torch.cuda.synchronize(self.torch_device)
 
+    def loads_done(self):
+        self.h2d_stream.synchronize()
+
 
 def _timing_event(stream) -> "torch.cuda.Event":
     event = torch.cuda.Event(enable_timing=True)
@@ -245,3 +259,8 @@ def get_device(kind: str) -> StreamingDevice:
     if kind not in _DEVICES:
         _DEVICES[kind] = CudaDevice() if kind == "cuda" else CpuStandInDevice()
     return _DEVICES[kind]
+
+
+def existing_device(kind: str) -> StreamingDevice | None:
+    """The process's device of this kind if a program has used it, else None (creates nothing)."""
+    return _DEVICES.get(kind)

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from megacompile.core import ops
 from megacompile.core import torch_compat as compat
+from megacompile.core.enums import Role
 from megacompile.core.node_info import has_info, info, is_view_node
 from megacompile.core.torch_compat import no_dispatch_modes
 from megacompile.runtime import trace as _trace
@@ -47,6 +48,7 @@ from megacompile.runtime.instructions import (
     Segment,
     Slot,
     Wait,
+    WeightCopy,
     Widen,
     resolve,
     template_slots,
@@ -149,6 +151,19 @@ def _returned_once(nodes: list[fx.Node]) -> dict[fx.Node, int]:
 
 def _is_host_op(n: fx.Node) -> bool:
     return n.op == "call_function" and not ops.is_memory_op(n) and has_info(n) and info(n).placement == "host"
+
+
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def _is_weight_cast(n: fx.Node) -> bool:
+    """A host cast narrowing a parameter (its bf16 copy on the way to a load): the program
+    takes the persistent copy (``WeightCopy``) instead of casting every call."""
+    if not _is_host_op(n) or n.target not in _CASTS:
+        return False
+    src = n.args[0]
+    return (isinstance(src, fx.Node) and src.op == "placeholder" and has_info(src) and info(src).role == Role.PARAM
+            and n.meta["val"].element_size() < src.meta["val"].element_size())
 
 
 def _staged_on_host(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -259,7 +274,10 @@ class _Lowering:
         return ComputeOp(name=node.name, layer=info(node).layer if has_info(node) else None, out=self.slot(node),
                          fn=node.target, args=self.template(node.args), kwargs=self.template(node.kwargs))
 
-    def host_op(self, node: fx.Node) -> HostOp:
+    def host_op(self, node: fx.Node) -> HostOp | WeightCopy:
+        if _is_weight_cast(node):
+            return WeightCopy(name=node.name, layer=info(node).layer, out=self.slot(node),
+                              source=self.slot(node.args[0]), dtype=node.meta["val"].dtype)
         fields = dict(name=node.name, layer=info(node).layer, out=self.slot(node), fn=node.target,
                       args=self.template(node.args), kwargs=self.template(node.kwargs),
                       staged=node in self.staged, returns=self.returned.get(node))

@@ -280,6 +280,7 @@ def fused_adam_step(
     maximize: bool = False,
     num_threads: Optional[int] = None,
     target: Optional[str] = None,
+    bf16_copies: Optional[Sequence[torch.Tensor]] = None,
 ) -> None:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) update, in place.
 
@@ -297,6 +298,9 @@ def fused_adam_step(
     ``target``: the instruction-set target to run (see the module docstring); default the
     best this CPU supports. A target the CPU cannot execute raises RuntimeError. The result
     does not depend on it.
+    ``bf16_copies``: optional contiguous bfloat16 tensors, one per param, each rewritten
+    with its updated param rounded to nearest even (``param.to(torch.bfloat16)``), chunk by
+    chunk in the same pass over memory.
 
     Equivalent to ``torch.optim.AdamW/Adam(..., foreach=False).step()`` for those tensors
     (amsgrad, capturable and differentiable are not supported). Runs without the GIL.
@@ -331,6 +335,7 @@ def fused_adam_step(
             bool(maximize),
             int(num_threads or 0),
             target or "",
+            list(bf16_copies or ()),
         )
 
 
@@ -350,6 +355,7 @@ def torch_fused_adam_step(
     maximize: bool = False,
     num_threads: Optional[int] = None,
     target: Optional[str] = None,
+    bf16_copies: Optional[Sequence[torch.Tensor]] = None,
 ) -> None:
     """Fallback with :func:`fused_adam_step`'s signature on torch's fused CPU Adam.
 
@@ -390,3 +396,5 @@ def torch_fused_adam_step(
             amsgrad=False,
             maximize=bool(maximize),
         )
+        for copy, p in zip(bf16_copies or (), params):
+            copy.copy_(p)

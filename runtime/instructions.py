@@ -12,6 +12,7 @@ that does its part of one call. ``kind`` is the name the runtime trace and tests
 | ``Segment`` | segment | calls a run of ops compiled once by Inductor (on its first call) |
 | ``HostOp`` | host_op | calls a host op (a host cast) on host values |
 | ``Widen`` | host_op | the host cast that widens a returned gradient's landed bf16 copy, via the sink |
+| ``WeightCopy`` | host_op | a parameter's bf16 cast, served from the persistent weight copies |
 | ``Load`` | load | copies a host value to the device (or shares it) |
 | ``Offload`` | offload | copies a device value to the host (or hands it over); a returned one may go to the sink |
 | ``Wait`` | wait | orders the compute after the copy that made a value |
@@ -224,6 +225,27 @@ class Widen(HostOp):
         """The graph's cast applied to ``narrow`` (in place of the copy it reads)."""
         env = {self.source: narrow}
         return self.fn(*resolve(self.args, env), **resolve(self.kwargs, env))
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class WeightCopy(Instruction):
+    """A parameter's host cast to a narrower dtype (bf16, before its load), served from the
+    device's persistent copies (runtime/weight_copies.py): it casts only if the weight changed
+    since its copy was written, and the copy is no transient staging."""
+
+    kind: ClassVar[str] = "host_op"
+    source: int
+    out: int
+    dtype: torch.dtype
+
+    def reads(self) -> list[int]:
+        return [self.source]
+
+    def writes(self) -> list[int]:
+        return [self.out]
+
+    def run(self, call: Call) -> None:
+        call.env[self.out] = call.device.weight_copies.get(call.env[self.source], self.dtype)
 
 
 def _keep(call: Call, slot: int, value: Any, staged: bool) -> None:

@@ -4,6 +4,7 @@ Skipped on CPU-only machines (CI here has no GPU); benchmarks/gpu_smoke.py runs 
 check and records the numbers under benchmarks/results/.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from conftest import COMPILED
 from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 import megacompile
+from megacompile.runtime.device import get_device
 
 pytestmark = [
     pytest.mark.cuda,
@@ -102,12 +104,17 @@ def test_cuda_bf16_trains_like_cpu_autocast(name, budget_fraction):
     step = torch.compile(step, backend="megatrain", options={
         "device": "cuda", "lowering": "eager", "precision": "bf16", "memory_budget": budget})
     gen = torch.Generator().manual_seed(1)
+    copies = get_device("cuda").weight_copies
     for k in range(4):
         x, y = make_batch(gen)
         if k == 0:
             with torch.no_grad():
                 fp32 = loss_fn(fp32_model(x.cuda()), y.cuda()).item()
+        before = dataclasses.replace(copies.stats)
         got = step(x, y).item()
+        if k >= 2:  # steady state: the overlapped update wrote every copy, no load recast one
+            assert copies.stats.made == before.made and copies.stats.recast == before.recast, (before, copies.stats)
+            assert copies.stats.written_by_optimizer > before.written_by_optimizer
         with torch.autocast("cpu", dtype=torch.bfloat16):
             want = eager_step(x, y).item()
         if k == 0:
@@ -116,6 +123,9 @@ def test_cuda_bf16_trains_like_cpu_autocast(name, budget_fraction):
         else:
             assert abs(got - want) <= 5e-4 * abs(want), (k, got, want)
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+    # The copies the loads carry are page-locked in place (cudaHostRegister), exactly their size.
+    held = [copies.get(p, torch.bfloat16) for p in model.parameters() if p.dim() == 2]
+    assert held and all(c.is_pinned() for c in held)
     report = megacompile.last_report()
     assert report.precision == "bf16"
     if budget_fraction:

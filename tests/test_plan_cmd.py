@@ -234,13 +234,13 @@ def test_host_bytes_per_parameter():
     fp32 = host_memory.host_bytes(1000, "fp32")
     assert fp32["bytes_per_param"] == 16 and fp32["total_bytes"] == 16000
     assert fp32["pinned_bytes"] == 8000 and fp32["pageable_bytes"] == 8000  # weights + grads | AdamW states
-    # bf16 keeps the same fp32 state on the host as fp32 (the runtime's layout: its bf16 copies
-    # are transient staging); tests/test_bf16.py checks these numbers against a real run.
+    # bf16 keeps the same fp32 state on the host as fp32, plus a pinned bf16 copy of each weight
+    # (the runtime's layout); tests/test_bf16.py checks these numbers against a real run.
     bf16 = host_memory.host_bytes(1000, "bf16", offloaded_activation_bytes=500)
-    assert bf16["bytes_per_param"] == 16 and bf16["overlapped_bytes_per_param"] == 12
+    assert bf16["bytes_per_param"] == 18 and bf16["overlapped_bytes_per_param"] == 14
     assert bf16["parts"] == {"weights": 4000, "gradients": 4000, "optimizer_states": 8000,
-                             "offloaded_activations": 500}
-    assert bf16["pinned_bytes"] == 500 and bf16["pageable_bytes"] == 16000
+                             "bf16_weight_copies": 2000, "offloaded_activations": 500}
+    assert bf16["pinned_bytes"] == 2500 and bf16["pageable_bytes"] == 16000
 
 
 # --- plan_model ---------------------------------------------------------------------------------

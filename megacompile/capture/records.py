@@ -25,6 +25,7 @@ from megacompile.core.node_info import info
 from megacompile.options import Options
 from megacompile.plan.training_plan import TrainingPlan
 from megacompile.report import LayerRow, StepReport
+from megacompile.runtime.device import existing_device
 
 
 @dataclasses.dataclass
@@ -53,8 +54,10 @@ class CompiledGraph:
         """What this graph's parameters hold in host memory between steps, by kind, counted
         from the tensors themselves: the (fp32 master) weights, the gradients the backward
         hands to ``param.grad`` (their dtype and size, from the backward program), and the
-        optimizer's state tensors for these parameters."""
+        optimizer's state tensors for these parameters, and the bf16 copies loads carry
+        (``precision="bf16"``; runtime/weight_copies.py)."""
         params = self.params()
+        device = existing_device(self.options.device)
         grads = 0
         if self.backward is not None:
             output = next(iter(self.backward.graph.find_nodes(op="output")))
@@ -71,6 +74,7 @@ class CompiledGraph:
             "weights": sum(p.untyped_storage().nbytes() for p in params),
             "gradients": grads,
             "optimizer_states": states,
+            "bf16_weight_copies": device.weight_copies.nbytes(params) if device is not None else 0,
         }
 
     @property

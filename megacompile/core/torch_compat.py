@@ -387,3 +387,16 @@ def remove_node_hooks(gm: fx.GraphModule, on_create: Callable[[fx.Node], Any],
                       on_erase: Callable[[fx.Node], Any]) -> None:
     gm._unregister_create_node_hook(on_create)
     gm._unregister_erase_node_hook(on_erase)
+
+
+def register_host_memory(t: torch.Tensor) -> None:
+    """Page-lock ``t``'s memory in place for the CUDA driver (``cudaHostRegister``): exactly
+    its bytes, no copy, unlike ``pin_memory()`` whose caching allocator rounds each block up
+    to a power of two. ``torch.cuda.cudart()`` is the runtime binding torch itself uses for this."""
+    code = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.untyped_storage().nbytes()} bytes failed with cudaError {code}")
+
+
+def unregister_host_memory(data_ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(data_ptr)

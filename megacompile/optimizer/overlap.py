@@ -402,9 +402,14 @@ class GradientLander(GradientSink):
                     grads.append(g if prior is None else prior + g)
                 params = [item[0] for item in items]
                 states = [self.opt.state[p] for p in params]
+                # bf16: the loads' weight copies are rewritten in the same pass as the update.
+                copies = self.device.weight_copies.for_update(params)
+                self.device.loads_done()  # no load still reads what the update rewrites
                 with torch.no_grad():
                     fused_adam_step(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                                    [s["step"] for s in states], **hyper)
+                                    [s["step"] for s in states], bf16_copies=copies, **hyper)
+                if copies is not None:
+                    self.device.weight_copies.updated(params)
                 nbytes += sum(g.numel() * g.element_size() for g in grads)
         with self._lock:
             self._pending_bytes -= nbytes

@@ -279,6 +279,22 @@ int resolve_threads(int64_t num_threads) {
   return num_threads > 0 ? static_cast<int>(num_threads) : at::get_num_threads();
 }
 
+// float32 -> bfloat16, rounded to nearest even (what `tensor.to(torch.bfloat16)` does); a NaN
+// stays a NaN. Integer arithmetic only, so every target gives the same bits.
+inline uint16_t to_bf16_bits(float f) {
+  if (std::isnan(f)) return static_cast<uint16_t>(0x7FC0);
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t round_even = ((bits >> 16) & 1u) + 0x7FFFu;
+  return static_cast<uint16_t>((bits + round_even) >> 16);
+}
+
+// Writes the bf16 copy of p[0, n): run right after a chunk's update, while the chunk is
+// still in cache, so the copy costs no second pass over memory.
+void write_bf16(uint16_t* __restrict out, const float* __restrict p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16_bits(p[i]);
+}
+
 // Runs fn(item) over all items, in parallel when the work is large enough.
 template <typename F>
 void for_items(const std::vector<Item>& items, int64_t total, int64_t num_threads, const F& fn) {
@@ -307,13 +323,17 @@ void check_state(const at::Tensor& t, const char* what, size_t i) {
 void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                at::TensorList exp_avg_sqs, at::ArrayRef<double> steps, double lr,
                double beta1, double beta2, double eps, double weight_decay, bool decoupled,
-               bool maximize, int64_t num_threads, std::string target) {
+               bool maximize, int64_t num_threads, std::string target,
+               at::TensorList bf16_copies) {
   const size_t n = params.size();
   const IsaKernels& isa = resolve_target(target).kernels;
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
               "host_adam: params, grads, exp_avgs, exp_avg_sqs must have the same length");
   TORCH_CHECK(steps.size() == n || steps.size() == 1,
               "host_adam: steps must have one value per tensor or a single value");
+  // Optional: one bf16 tensor per param, rewritten with the updated param's bf16 value.
+  TORCH_CHECK(bf16_copies.empty() || bf16_copies.size() == n,
+              "host_adam: bf16_copies must be empty or have one tensor per param");
   const Hyper h{lr, beta1, beta2, eps, weight_decay};
   const int wd_mode = weight_decay == 0.0 ? kNoDecay : (decoupled ? kDecoupled : kL2);
   const bool small_w1 = std::abs(static_cast<float>(1.0 - beta1)) < 0.5f;
@@ -324,6 +344,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   std::vector<float*> pp(n), mp(n), vp(n);
   std::vector<const void*> gp(n);
   std::vector<int64_t> gsize(n);
+  std::vector<uint16_t*> cp(n, nullptr);
   for (size_t i = 0; i < n; ++i) {
     check_state(params[i], "params", i);
     check_state(exp_avgs[i], "exp_avgs", i);
@@ -345,6 +366,14 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
     vp[i] = exp_avg_sqs[i].data_ptr<float>();
     gp[i] = g.data_ptr();
     gsize[i] = g.element_size();
+    if (!bf16_copies.empty()) {
+      const at::Tensor& c = bf16_copies[i];
+      TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.scalar_type() == at::kBFloat16 &&
+                      c.numel() == numel,
+                  "host_adam: bf16_copies[", i, "] must be a contiguous bfloat16 CPU tensor of ",
+                  numel, " elements");
+      cp[i] = reinterpret_cast<uint16_t*>(c.data_ptr());
+    }
   }
 
   int64_t total = 0;
@@ -354,6 +383,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
     const size_t t = static_cast<size_t>(it.tensor);
     fns[t](pp[t] + b, static_cast<const char*>(gp[t]) + b * gsize[t], mp[t] + b, vp[t] + b,
            it.end - b, coeffs[t]);
+    if (cp[t] != nullptr) write_bf16(cp[t] + b, pp[t] + b, it.end - b);
   });
 
   // Writing through data pointers bypasses ATen's in-place ops, which would have bumped
@@ -363,6 +393,7 @@ void adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
     params[i].unsafeGetTensorImpl()->bump_version();
     exp_avgs[i].unsafeGetTensorImpl()->bump_version();
     exp_avg_sqs[i].unsafeGetTensorImpl()->bump_version();
+    if (!bf16_copies.empty()) bf16_copies[i].unsafeGetTensorImpl()->bump_version();
   }
 }
 
@@ -467,7 +498,7 @@ TORCH_LIBRARY(megacompile_host_adam, m) {
       "adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, float[] steps, float lr, float beta1, float beta2, "
       "float eps, float weight_decay, bool decoupled, bool maximize, int num_threads=0, "
-      "str target=\"\") -> ()");
+      "str target=\"\", Tensor(d!)[] bf16_copies) -> ()");
   m.def("increment_steps(Tensor(a!)[] steps) -> float[]");
   // No tensor arguments, nothing to dispatch on: one kernel for every backend.
   m.def("compiled_targets() -> str[]", compiled_targets);

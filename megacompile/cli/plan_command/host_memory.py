@@ -6,18 +6,17 @@ from __future__ import annotations
 # fp32: fp32 weights (pinned: streamed to the device) + fp32 gradients (pinned: they land
 #   there from the device) | AdamW exp_avg + exp_avg_sq (pageable: only the host optimizer
 #   touches them) = 4 + 4 | 8 = 16 B/param.
-# bf16: the same fp32 state as the runtime keeps it (passes/host_casts.py): fp32 master weights
-#   (cast to bf16 on the host right before each load, into a transient pinned staging copy) +
-#   fp32 gradients (widened on the host from the bf16 copy that crosses) + exp_avg + exp_avg_sq,
-#   none of them read by a copy engine (pageable) = 4 + 4 + 8 = 16 B/param; the staging copies
-#   live a layer or two (``last_report().host_staging_peak_bytes`` measures them).
-# Either precision: 12 B/param when the optimizer step overlaps the backward (each gradient
-#   consumed as it lands, no gradient buffer kept; ``overlap_optimizer``).
+# bf16: the same fp32 state (pageable: no copy engine reads it) + a persistent bf16 copy of each
+#   weight (pinned: it is what the loads carry; the host optimizer rewrites it with its update,
+#   runtime/weight_copies.py) = 4 + 4 + 8 + 2 = 18 B/param.
+# Either precision: 4 B/param less when the optimizer step overlaps the backward (each gradient
+#   consumed as it lands, no gradient buffer kept; ``overlap_optimizer``): 12 and 14.
 HOST_BYTES_PER_PARAM = {
     "fp32": {"weights": (4, "pinned"), "gradients": (4, "pinned"), "optimizer_states": (8, "pageable")},
-    "bf16": {"weights": (4, "pageable"), "gradients": (4, "pageable"), "optimizer_states": (8, "pageable")},
+    "bf16": {"weights": (4, "pageable"), "gradients": (4, "pageable"), "optimizer_states": (8, "pageable"),
+             "bf16_weight_copies": (2, "pinned")},
 }
-OVERLAPPED_HOST_BYTES_PER_PARAM = 12
+OVERLAPPED_HOST_BYTES_PER_PARAM = {"fp32": 12, "bf16": 14}
 
 
 def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int = 0) -> dict:
@@ -25,8 +24,8 @@ def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int 
 
     Pinned: the weights the device streams in and the gradient buffers it streams back into
     (and the host copies of offloaded activations). Pageable: what no copy engine reads
-    (AdamW's two moments; in bf16 the fp32 weights and gradients too, since the bf16 copies
-    that cross are transient staging). See
+    (AdamW's two moments; in bf16 the fp32 weights and gradients too, since what crosses is
+    the bf16 weight copies and transient bf16 gradients). See
     ``HOST_BYTES_PER_PARAM`` for the bytes per parameter.
     """
     parts = {name: (num_params * nbytes, kind) for name, (nbytes, kind) in HOST_BYTES_PER_PARAM[precision].items()}
@@ -38,5 +37,5 @@ def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int 
         "parts": {name: n for name, (n, _) in parts.items()},
         "pinned_bytes": pinned, "pageable_bytes": pageable, "total_bytes": pinned + pageable,
         "bytes_per_param": sum(nbytes for nbytes, _ in HOST_BYTES_PER_PARAM[precision].values()),
-        "overlapped_bytes_per_param": OVERLAPPED_HOST_BYTES_PER_PARAM,
+        "overlapped_bytes_per_param": OVERLAPPED_HOST_BYTES_PER_PARAM[precision],
     }

@@ -247,9 +247,9 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
             "layout": {
                 "fp32": "pinned: fp32 weights (4 B) + fp32 gradients (4 B); pageable: AdamW exp_avg + exp_avg_sq (8 B)",
                 "bf16": "pageable: fp32 master weights (4 B) + fp32 gradients (4 B) + AdamW exp_avg + exp_avg_sq "
-                        "(8 B); the bf16 copies that cross the link are transient pinned staging",
+                        "(8 B); pinned: the bf16 weight copies the loads carry (2 B), rewritten by the update",
             }[precision] + ("; plus offloaded activations (pinned)" if plan.offloaded_activation_bytes else "")
-              + f"; {OVERLAPPED_HOST_BYTES_PER_PARAM} B/param when the optimizer step overlaps the backward "
+              + f"; {OVERLAPPED_HOST_BYTES_PER_PARAM[precision]} B/param when the optimizer step overlaps the backward "
                 "(gradients consumed as they land)",
         },
         transfers={

@@ -1,0 +1,110 @@
+"""Persistent bf16 copies of host weights: what a load carries under ``precision="bf16"``.
+
+Autocast casts each fp32 weight to bf16 before its matmul; ``host_casts`` runs that cast on
+the host so the load carries 2 bytes per element. Made afresh before every load, the casts
+were a second of host-thread time per step at 1.9 B parameters (benchmarks/results/
+peers-2026-11-24-...-trace.json). Instead each weight has one bf16 copy, made at its first
+load and kept: the host optimizer rewrites it in the same pass as its update
+(``fused_adam_step(bf16_copies=...)``), and a load takes it as it is.
+
+A copy is current while its weight's version counter is the one recorded when the copy was
+written: every in-place write through torch bumps it (the host Adam kernel too), so a stock
+optimizer, ``load_state_dict`` or a user's ``p.mul_()`` make the next load rewrite the copy in
+place (the same buffer, no allocation). Writes that bypass the counter (``p.data.mul_()``)
+are not seen: ``forget_weight_copies()`` drops every copy after such a write.
+
+On CUDA each copy is exactly its size and page-locked in place (``cudaHostRegister``), so the
+load is a true asynchronous copy with no staging buffer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from megacompile.core import torch_compat as compat
+
+
+@dataclasses.dataclass(eq=False)
+class _Copy:
+    tensor: torch.Tensor
+    version: int  # the weight's version counter when ``tensor`` was written
+    data_ptr: int  # the weight's storage then (a ``.data`` swap makes it another weight)
+
+
+@dataclasses.dataclass
+class WeightCopyStats:
+    made: int = 0  # copies allocated (first load of a weight)
+    recast: int = 0  # loads that found the weight changed and rewrote its copy
+    written_by_optimizer: int = 0  # copies the host optimizer rewrote with its update
+    reused: int = 0  # loads that took a current copy as it was
+
+
+class WeightCopies:
+    """One low-precision copy per host weight, held while the weight lives."""
+
+    def __init__(self, page_lock: bool) -> None:
+        self.page_lock = page_lock
+        self.stats = WeightCopyStats()
+        self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The copy of ``weight`` in ``dtype``, rewritten first if the weight changed."""
+        with self._lock:
+            entry = self._copies.get(weight)
+            if entry is not None and entry.tensor.dtype != dtype:
+                entry = None  # one copy per weight; another dtype replaces it
+            if entry is None:
+                entry = self._make(weight, dtype)
+                self.stats.made += 1
+            elif entry.version != compat.tensor_version(weight) or entry.data_ptr != weight.data_ptr():
+                with torch.no_grad():
+                    entry.tensor.copy_(weight)
+                self.stats.recast += 1
+            else:
+                self.stats.reused += 1
+                return entry.tensor
+            entry.version, entry.data_ptr = compat.tensor_version(weight), weight.data_ptr()
+            return entry.tensor
+
+    def _make(self, weight: torch.Tensor, dtype: torch.dtype) -> _Copy:
+        copy = torch.empty(weight.shape, dtype=dtype)  # contiguous: what the kernel writes
+        with torch.no_grad():
+            copy.copy_(weight)
+        if self.page_lock:
+            compat.register_host_memory(copy)
+            weakref.finalize(copy, compat.unregister_host_memory, copy.data_ptr())
+        entry = _Copy(copy, compat.tensor_version(weight), weight.data_ptr())
+        self._copies[weight] = entry
+        return entry
+
+    def for_update(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The bf16 copies the host optimizer is to rewrite with its update of ``params``, or
+        None unless every one has a current copy (the others are rewritten at their load)."""
+        with self._lock:
+            entries = [self._copies.get(p) for p in params]
+            if any(e is None or e.tensor.dtype != torch.bfloat16 or e.version != compat.tensor_version(p)
+                   or e.data_ptr != p.data_ptr() or not e.tensor.is_contiguous() for e, p in zip(entries, params)):
+                return None
+            return [e.tensor for e in entries]
+
+    def updated(self, params: list[torch.Tensor]) -> None:
+        """``params`` were updated and their copies written in the same pass: current again."""
+        with self._lock:
+            for p in params:
+                entry = self._copies[p]
+                entry.version, entry.data_ptr = compat.tensor_version(p), p.data_ptr()
+            self.stats.written_by_optimizer += len(params)
+
+    def nbytes(self, params: list[torch.Tensor]) -> int:
+        with self._lock:
+            entries = (self._copies.get(p) for p in params)
+            return sum(e.tensor.untyped_storage().nbytes() for e in entries if e is not None)
+
+    def forget(self) -> None:
+        with self._lock:
+            self._copies = WeakIdKeyDictionary()
