@@ -82,15 +82,18 @@ class WeightCopies:
         self._copies[weight] = entry
         return entry
 
-    def for_update(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """The bf16 copies the host optimizer is to rewrite with its update of ``params``, or
-        None unless every one has a current copy (the others are rewritten at their load)."""
+    def for_update(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """For each of ``params`` the host optimizer is about to update, its current bf16 copy
+        (to rewrite in the same pass), or None: no copy (a weight no load casts, e.g. a norm's)
+        or a stale one (rewritten at its next load instead)."""
         with self._lock:
-            entries = [self._copies.get(p) for p in params]
-            if any(e is None or e.tensor.dtype != torch.bfloat16 or e.version != compat.tensor_version(p)
-                   or e.data_ptr != p.data_ptr() or not e.tensor.is_contiguous() for e, p in zip(entries, params)):
-                return None
-            return [e.tensor for e in entries]
+            found = []
+            for p in params:
+                e = self._copies.get(p)
+                current = (e is not None and e.tensor.dtype == torch.bfloat16 and e.tensor.is_contiguous()
+                           and e.version == compat.tensor_version(p) and e.data_ptr == p.data_ptr())
+                found.append(e.tensor if current else None)
+            return found
 
     def updated(self, params: list[torch.Tensor]) -> None:
         """``params`` were updated and their copies written in the same pass: current again."""

@@ -400,21 +400,30 @@ class GradientLander(GradientSink):
                     if ready is not None:
                         ready()  # CUDA: the gradient's copy to the host has finished
                     grads.append(g if prior is None else prior + g)
-                params = [item[0] for item in items]
-                states = [self.opt.state[p] for p in params]
-                # bf16: the loads' weight copies are rewritten in the same pass as the update.
-                copies = self.device.weight_copies.for_update(params)
-                self.device.loads_done()  # no load still reads what the update rewrites
-                with torch.no_grad():
-                    fused_adam_step(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                                    [s["step"] for s in states], bf16_copies=copies, **hyper)
-                if copies is not None:
-                    self.device.weight_copies.updated(params)
+                self._fused_update([item[0] for item in items], grads, hyper)
                 nbytes += sum(g.numel() * g.element_size() for g in grads)
         with self._lock:
             self._pending_bytes -= nbytes
             self.stats.update_seconds += time.perf_counter() - start
             self.stats.updated_params += sum(len(items) for items, _ in work)
+
+    def _fused_update(self, params: list[torch.Tensor], grads: list[torch.Tensor], hyper: dict) -> None:
+        """One fused update; under bf16 the weights' copies that loads carry are rewritten in
+        the same pass (a weight without a current copy is updated in a second call)."""
+        copies = self.device.weight_copies.for_update(params)
+        self.device.loads_done()  # no load still reads what the update rewrites
+        for with_copy in (True, False):
+            index = [i for i, c in enumerate(copies) if (c is not None) == with_copy]
+            if not index:
+                continue
+            ps = [params[i] for i in index]
+            states = [self.opt.state[p] for p in ps]
+            with torch.no_grad():
+                fused_adam_step(ps, [grads[i] for i in index], [s["exp_avg"] for s in states],
+                                [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                                bf16_copies=[copies[i] for i in index] if with_copy else None, **hyper)
+            if with_copy:
+                self.device.weight_copies.updated(ps)
 
     def finish(self) -> None:
         """Waits for every update (the backward returns only when parameters are current)."""
