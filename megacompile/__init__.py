@@ -16,12 +16,13 @@ from megacompile.core.errors import BudgetError, MegacompileError, OptionsError,
 from megacompile.core.torch_compat import register_dynamo_backend
 from megacompile.options import Options, parse_options
 from megacompile.report import StepReport, last_report
+from megacompile.runtime.device import forget_weight_copies
 from megacompile.runtime.trace import trace_runtime
 
 __all__ = [
-    "BudgetError", "MegacompileError", "compiled_graphs", "Options", "OptionsError", "PlacementError", "StepReport",
-    "last_report", "mark_repeated_layers", "megatrain", "parse_options", "trace_runtime",
-    "unmark_repeated_layers",
+    "BudgetError", "MegacompileError", "compiled_graphs", "forget_weight_copies", "Options", "OptionsError",
+    "PlacementError", "StepReport", "last_report", "mark_repeated_layers", "megatrain", "parse_options",
+    "trace_runtime", "unmark_repeated_layers",
 ]
 
 register_dynamo_backend(megatrain, "megatrain")

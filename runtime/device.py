@@ -264,3 +264,10 @@ def get_device(kind: str) -> StreamingDevice:
 def existing_device(kind: str) -> StreamingDevice | None:
     """The process's device of this kind if a program has used it, else None (creates nothing)."""
     return _DEVICES.get(kind)
+
+
+def forget_weight_copies() -> None:
+    """Drops every persistent bf16 weight copy (the next load of each weight makes it again).
+    For weights written in a way their version counter does not see, e.g. ``p.data.mul_()``."""
+    for device in _DEVICES.values():
+        device.weight_copies.forget()

@@ -11,7 +11,7 @@ A copy is current while its weight's version counter is the one recorded when th
 written: every in-place write through torch bumps it (the host Adam kernel too), so a stock
 optimizer, ``load_state_dict`` or a user's ``p.mul_()`` make the next load rewrite the copy in
 place (the same buffer, no allocation). Writes that bypass the counter (``p.data.mul_()``)
-are not seen: ``forget_weight_copies()`` drops every copy after such a write.
+are not seen: ``megacompile.forget_weight_copies()`` drops every copy after such a write.
 
 On CUDA each copy is exactly its size and page-locked in place (``cudaHostRegister``), so the
 load is a true asynchronous copy with no staging buffer.

@@ -14,6 +14,7 @@ import torch
 from reference_models import REFERENCE_MODELS, make_training_step
 from test_bf16 import _exact_reference_step
 
+import megacompile
 from megacompile.runtime import host_adam
 from megacompile.runtime.device import get_device
 
@@ -110,19 +111,28 @@ def test_without_the_overlapped_optimizer_each_load_recasts_in_place():
 
 
 @needs_kernel
-@pytest.mark.parametrize("how", ["in_place", "data_swap"])
+@pytest.mark.parametrize("how", ["in_place", "data_swap", "through_data"])
 def test_a_weight_changed_outside_the_optimizer_is_recast(how):
-    """A user's in-place edit (bumps the version counter) or a ``.data`` swap (another
-    storage) between steps: the next load sees the new value, bitwise as eager does."""
+    """A user's in-place edit (bumps the version counter), a ``.data`` swap (another storage),
+    or an edit through ``.data`` (invisible to the counter) followed by
+    ``megacompile.forget_weight_copies()`` between steps: the next load sees the new value,
+    bitwise as eager does."""
     def edit(model, reference):
         for m in (model, reference):
             w = next(m.parameters())
             with torch.no_grad():
                 if how == "in_place":
                     w.mul_(0.5)
-                else:
+                elif how == "data_swap":
                     w.data = w.data * 0.5
+                else:
+                    w.data.mul_(0.5)
+        if how == "through_data":
+            megacompile.forget_weight_copies()
     model, counts = _train(4, overlap=True, between=edit)
     for later in counts[2:]:
-        assert later["recast"] == 1, later
+        if how == "through_data":  # every copy made again
+            assert later["made"] == counts[0]["made"] and later["recast"] == 0, later
+        else:
+            assert later["recast"] == 1, later
 
