@@ -192,6 +192,10 @@ def table(doc: dict) -> str:
         if m.get("predicted_step_s"):
             lines.append(f"megatrain step {ours['step_s']:.3f} s vs cost model {m['predicted_step_s']:.3f} s "
                          f"(measured / predicted {ours['step_s'] / m['predicted_step_s']:.2f}; {m.get('predicted')})")
+        if m.get("host_thread"):
+            h = m["host_thread"]
+            lines.append(f"megatrain host thread, one traced step: busy {h['busy_s']:.3f} s of {h['program_s']:.3f} s "
+                         f"in its programs ({h['busy_fraction']:.0%}); instructions {h['instructions']}")
         if ours.get("budget_bytes") and ours.get("allocated_peak_bytes"):
             lines.append(f"megatrain budget {ours['budget_bytes'] / GiB:.1f} GiB: allocated peak "
                          f"{ours['allocated_peak_bytes'] / ours['budget_bytes']:.2f}x, reserved peak "

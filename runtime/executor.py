@@ -469,8 +469,8 @@ class StreamingProgram:
             # at the parameters.
             sink.finish()
             if recorder is not None:  # the program's event encloses the updates it waited for
-                recorder.add("graphs", self.label, program_start, time.perf_counter_ns(),
-                             {"instructions": len(self.instructions)})
+                recorder.add_program(self.label, program_start, time.perf_counter_ns(),
+                                     {"instructions": len(self.instructions)})
             if self.on_finish is not None:
                 self.on_finish()
 
@@ -520,4 +520,4 @@ def _record_instruction(recorder, device: StreamingDevice, instr: Instruction, e
     lane = device.trace_copy_lanes.get(instr.kind) or _COMPUTE_LANES.get(instr.kind, "compute")
     values = [env[s] for s in instr.traced_slots()]
     args = {"kind": instr.kind, "layer": instr.layer, "bytes": _nbytes(values)}
-    recorder.add(lane, instr.name, start_ns, end_ns, args)
+    recorder.add_instruction(lane, instr.name, start_ns, end_ns, args)

@@ -30,6 +30,7 @@ optimizer) are lanes too.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -62,6 +63,10 @@ class TraceRecorder:
         self._cuda_copies: list[tuple] = []  # (lane, name, args, start event, end event)
         self._cuda_origin: tuple | None = None  # (reference CUDA event, its CPU time in ns)
         self.t0_ns = time.perf_counter_ns()
+        # The thread that runs the programs: its instructions by kind, and its time in them.
+        self._instructions: collections.Counter = collections.Counter()
+        self._instruction_ns = 0
+        self._program_ns = 0
 
     # --- recording --------------------------------------------------------------------------
     def _tid(self, lane: str, thread: int) -> int:
@@ -87,6 +92,32 @@ class TraceRecorder:
                 "ts": (start_ns - self.t0_ns) / 1e3, "dur": max(end_ns - start_ns, 0) / 1e3,
                 "args": args or {},
             })
+
+    def add_instruction(self, lane: str, name: str, start_ns: int, end_ns: int, args: dict) -> None:
+        """A program instruction the executor ran (``args["kind"]``: op, segment, load, ...)."""
+        with self._lock:
+            self._instructions[args["kind"]] += 1
+            self._instruction_ns += max(end_ns - start_ns, 0)
+        self.add(lane, name, start_ns, end_ns, args)
+
+    def add_program(self, name: str, start_ns: int, end_ns: int, args: dict | None = None) -> None:
+        """One run of a forward or backward program, enclosing its instructions."""
+        with self._lock:
+            self._program_ns += max(end_ns - start_ns, 0)
+        self.add("graphs", name, start_ns, end_ns, args)
+
+    def host_thread_summary(self) -> dict[str, Any]:
+        """The thread that drives the programs, over the traced block: ``program_s`` (time
+        inside forward / backward programs), ``busy_s`` (inside their instructions: launching
+        ops and segments, issuing copies, host ops, waits; on CUDA the kernels and copies run
+        asynchronously, so the rest of ``program_s`` is the thread waiting on the device or
+        on the host optimizer), ``busy_fraction``, and ``instructions`` run, by kind (``op``:
+        one aten op through Python dispatch; ``segment``: a compiled segment)."""
+        with self._lock:
+            program = self._program_ns / 1e9
+            busy = self._instruction_ns / 1e9
+            return {"program_s": program, "busy_s": busy, "busy_fraction": busy / program if program else 0.0,
+                    "instructions": dict(self._instructions)}
 
     def add_cuda_copy(self, lane: str, name: str, args: dict, start_event, end_event) -> None:
         """A copy on a CUDA stream between two timing events, resolved when the trace is written."""

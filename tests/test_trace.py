@@ -125,6 +125,25 @@ def test_training_run_trace_covers_lanes_and_program(tmp_path):
                        for g in graphs), e
 
 
+def test_host_thread_summary_counts_what_the_programs_ran(tmp_path):
+    """``recorder.host_thread_summary()``: the instructions the programs ran, by kind, once per
+    step (ops run one by one through dispatch apart from compiled segments), and the thread's
+    time inside them, which lies within its time inside the programs."""
+    steps = 2
+    _, recorder = _train("eager", steps, tmp_path / "runtime.json")
+    summary = recorder.host_thread_summary()
+    nodes = _instruction_nodes()
+    memory = collections.Counter(n.target._schema.name.split("::")[-1] for n in nodes if ops.is_memory_op(n))
+    computed = sum(1 for n in nodes if not ops.is_memory_op(n))
+    counts = summary["instructions"]
+    assert counts["op"] == computed * steps  # the eager lowering: every compute node is one op
+    assert "segment" not in counts
+    for kind in ("load", "offload", "wait", "evict"):
+        assert counts.get(kind, 0) == memory[kind] * steps, kind
+    assert 0 < summary["busy_s"] <= summary["program_s"]
+    assert summary["busy_fraction"] == pytest.approx(summary["busy_s"] / summary["program_s"])
+
+
 def test_tracing_off_records_nothing(tmp_path):
     path = tmp_path / "one.json"
     step, recorder = _train("eager", 1, path)
