@@ -1,8 +1,9 @@
 """What the last step planned and did: ``megacompile.last_report()``.
 
 A step starts when a compiled forward (or inference) program starts and runs through the
-backward and the optimizer graph that follow, until the next forward starts. The recorder
-resets the device's transfer counters and peak tracker at that point.
+backward and the optimizer graph that follow, until the next forward starts that no earlier
+forward's pending backward ties to the same step. The recorder resets the device's transfer
+counters and peak tracker at that point.
 """
 from __future__ import annotations
 
@@ -102,7 +103,14 @@ class StepReport:
 
 
 class StepRecorder:
-    """Collects one step's plan and measurements across the graphs that make up the step."""
+    """Collects one step's plan and measurements across the graphs that make up the step.
+
+    A step starts when a compiled forward starts while no earlier forward waits for its
+    backward; a forward that starts while one does (Dynamo split the step at a graph break:
+    the model in one graph, its loss in the next) joins that step. Such a graph runs on top of
+    what the earlier ones left on the device until their backward (``device_bytes_held``),
+    and the report describes every graph of the step.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -112,18 +120,46 @@ class StepRecorder:
 
     def forward_started(self, compiled, device) -> None:
         with self._lock:
+            cur = self._current
+            if cur is not None and cur["device"] is device and cur["awaiting_backward"]:
+                if compiled not in cur["graphs"]:
+                    cur["graphs"].append(compiled)
+                    cur["held_at_start"].append(self._held(cur))
+                if compiled.backward is not None:
+                    cur["awaiting_backward"].append(compiled)
+                self._update()
+                return
             device.synchronize()
             device.reset_stats()
             device.tracker.reset_peak()
             device.host_staging.reset_peak()
-            self._current = {"compiled": compiled, "device": device, "host_graphs": [], "measured": True,
-                             "optimizer": None, "overlap": None}
+            self._current = {"graphs": [compiled], "held_at_start": [0], "device": device,
+                             "awaiting_backward": [compiled] if compiled.backward is not None else [],
+                             "host_graphs": [], "optimizer": None, "overlap": None}
             self._update()
 
-    def graph_finished(self, compiled=None) -> None:
+    def graph_finished(self, compiled=None, backward: bool = False) -> None:
         with self._lock:
-            if self._current is not None:
+            cur = self._current
+            if cur is not None:
+                if backward and compiled in cur["awaiting_backward"]:
+                    cur["awaiting_backward"].remove(compiled)
                 self._update()
+
+    @staticmethod
+    def _held(cur: dict) -> int:
+        return sum(c.plan.forward.end_bytes for c in cur["awaiting_backward"]
+                   if c.plan is not None and c.plan.forward is not None)
+
+    def device_bytes_held(self, device) -> tuple[int, list[str]]:
+        """What the graphs of the running step that still wait for their backward leave on
+        ``device`` (their saved activations), and their labels: a graph planned now, within
+        that step, runs on top of it."""
+        with self._lock:
+            cur = self._current
+            if cur is None or cur["device"] is not device or not cur["awaiting_backward"]:
+                return 0, []
+            return self._held(cur), [c.label for c in cur["awaiting_backward"]]
 
     def optimizer_seen(self, optimizer) -> None:
         """The optimizer this step's parameters belong to (its state counts as host memory)."""
@@ -150,22 +186,23 @@ class StepRecorder:
         # Only the numbers are taken here; the report (a walk over the step's graphs) is
         # built when someone asks for it, not once per graph of every step.
         cur = self._current
-        compiled, device = cur["compiled"], cur["device"]
+        graphs, device = cur["graphs"], cur["device"]
         device.synchronize()
-        measured = device.tracker.peak_since_reset() if compiled.measures_peak else None
+        measured = device.tracker.peak_since_reset() if all(g.measures_peak for g in graphs) else None
         stats = copy.copy(device.stats)  # the counters as of now (later glue graphs add to them)
         stats.h2d_by_layer, stats.d2h_by_layer = dict(stats.h2d_by_layer), dict(stats.d2h_by_layer)
         overlapped = dataclasses.asdict(cur["overlap"]) if cur["overlap"] is not None else None
-        self._pending = dict(compiled=compiled, stats=stats, measured=measured, host_graphs=list(cur["host_graphs"]),
-                             optimizer=cur["optimizer"], staging_peak=device.host_staging.peak_since_reset(),
-                             overlap=overlapped)
+        self._pending = dict(graphs=list(graphs), held_at_start=list(cur["held_at_start"]), stats=stats,
+                             measured=measured, host_graphs=list(cur["host_graphs"]), optimizer=cur["optimizer"],
+                             staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped)
         self._last = None
 
     def last(self) -> StepReport | None:
         with self._lock:
             if self._last is None and self._pending is not None:
                 pending = dict(self._pending)
-                self._last = pending.pop("compiled").make_report(**pending)
+                graphs = pending.pop("graphs")
+                self._last = graphs[0].make_step_report(graphs, **pending)
             return self._last
 
 

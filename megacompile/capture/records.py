@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from megacompile.core import torch_compat as compat
 from megacompile.core.node_info import info
+from megacompile.core.units import format_bytes
 from megacompile.options import Options
 from megacompile.plan.training_plan import TrainingPlan
 from megacompile.report import LayerRow, StepReport
@@ -51,37 +52,27 @@ class CompiledGraph:
         return [p for p in (ref() for ref in self.param_refs.values()) if p is not None]
 
     def host_bytes(self, optimizer) -> dict[str, int]:
-        """What this graph's parameters hold in host memory between steps, by kind, counted
-        from the tensors themselves: the (fp32 master) weights, the gradients the backward
-        hands to ``param.grad`` (their dtype and size, from the backward program), and the
-        optimizer's state tensors for these parameters, and the bf16 copies loads carry
-        (``precision="bf16"``; runtime/weight_copies.py)."""
-        params = self.params()
-        device = existing_device(self.options.device)
-        grads = 0
-        if self.backward is not None:
-            output = next(iter(self.backward.graph.find_nodes(op="output")))
-            for index, out in enumerate(output.args[0]):
-                if index in self.param_refs and isinstance(out, fx.Node):
-                    grads += info(out).nbytes_hint
-        states = 0
-        if optimizer is not None:
-            for p in params:
-                for value in optimizer.state.get(p, {}).values():
-                    if isinstance(value, torch.Tensor):
-                        states += value.untyped_storage().nbytes()
-        return {
-            "weights": sum(p.untyped_storage().nbytes() for p in params),
-            "gradients": grads,
-            "optimizer_states": states,
-            "bf16_weight_copies": device.weight_copies.nbytes(params) if device is not None else 0,
-        }
+        """What this graph's parameters hold in host memory between steps (``host_bytes_of``)."""
+        return host_bytes_of([self], optimizer)
 
     @property
     def measures_peak(self) -> bool:
         # CUDA: the allocator measures everything. CPU stand-in: only the eager lowering
         # hands every device-side tensor to the tracker.
         return self.options.device == "cuda" or self.options.lowering == "eager"
+
+    def make_step_report(self, graphs: list["CompiledGraph"], held_at_start: list[int], **kw) -> StepReport:
+        """The report of a step made of ``graphs`` (this one first, in the order they started):
+        this graph's report, or every graph's merged into one (``_merge_step_reports``)."""
+        if len(graphs) == 1:
+            return self.make_report(**kw)
+        reports = [g.make_report(**kw) for g in graphs]
+        host = host_bytes_of(graphs, kw.get("optimizer"))
+        overlap = kw.get("overlap")
+        if overlap is not None and overlap["overlapped"]:
+            host["gradients"] = max(0, host["gradients"] - overlap["consumed_grad_bytes"])
+        num_params = sum({id(p): p.numel() for g in graphs for p in g.params()}.values())
+        return _merge_step_reports(graphs, reports, held_at_start, host, num_params)
 
     def make_report(self, stats, measured: int | None, host_graphs: list[str], optimizer=None,
                     staging_peak: int = 0, overlap: dict | None = None) -> StepReport:
@@ -142,6 +133,77 @@ class CompiledGraph:
             optimizer=overlap,
             segments=dataclasses.asdict(self.segment_stats) if self.segment_stats is not None else None,
         )
+
+
+def host_bytes_of(graphs: list[CompiledGraph], optimizer) -> dict[str, int]:
+    """What the parameters of ``graphs`` hold in host memory between steps, by kind, counted
+    from the tensors themselves (each parameter once, however many graphs read it): the (fp32
+    master) weights, the gradients the backward hands to ``param.grad`` (their dtype and size,
+    from the backward program), the optimizer's state tensors for these parameters, and the
+    bf16 copies loads carry (``precision="bf16"``; runtime/weight_copies.py)."""
+    params: dict[int, torch.Tensor] = {}
+    grads: dict[int, int] = {}
+    for graph in graphs:
+        by_position = {i: ref() for i, ref in graph.param_refs.items()}
+        params.update({id(p): p for p in by_position.values() if p is not None})
+        if graph.backward is not None:
+            output = next(iter(graph.backward.graph.find_nodes(op="output")))
+            for index, out in enumerate(output.args[0]):
+                p = by_position.get(index)
+                if p is not None and isinstance(out, fx.Node):
+                    grads[id(p)] = max(grads.get(id(p), 0), info(out).nbytes_hint)
+    unique = list(params.values())
+    states = 0
+    if optimizer is not None:
+        for p in unique:
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor):
+                    states += value.untyped_storage().nbytes()
+    device = existing_device(graphs[0].options.device)
+    return {
+        "weights": sum(p.untyped_storage().nbytes() for p in unique),
+        "gradients": sum(grads.values()),
+        "optimizer_states": states,
+        "bf16_weight_copies": device.weight_copies.nbytes(unique) if device is not None else 0,
+    }
+
+
+def _merge_step_reports(graphs: list[CompiledGraph], reports: list[StepReport], held_at_start: list[int],
+                        host: dict[str, int], num_params: int) -> StepReport:
+    """One report for a step Dynamo split into several graphs: each graph ran on top of what
+    the earlier ones held on the device until their backward (``held_at_start``)."""
+    first = reports[0]
+    layers: dict[str, LayerRow] = {}
+    for r in reports:
+        for row in r.layers:
+            merged = layers.setdefault(row.layer, LayerRow(row.layer, h2d_bytes=row.h2d_bytes, d2h_bytes=row.d2h_bytes))
+            merged.param_bytes += row.param_bytes
+            merged.saved_activation_bytes += row.saved_activation_bytes
+            merged.recomputed_ops += row.recomputed_ops
+            merged.planned_forward_peak = max(merged.planned_forward_peak, row.planned_forward_peak)
+            merged.planned_backward_peak = max(merged.planned_backward_peak, row.planned_backward_peak)
+    notes = []
+    for g, r, held in zip(graphs, reports, held_at_start):
+        notes += [f"{g.label}: {n}" for n in r.notes]
+        if held:
+            notes.append(f"{g.label} runs on top of {format_bytes(held)} the step's earlier graphs hold on the "
+                         f"device until their backward (planned peak {format_bytes(r.planned_peak_device_bytes)} "
+                         f"+ that)")
+    segments = None
+    if any(r.segments for r in reports):
+        segments = {k: sum((r.segments or {}).get(k, 0) for r in reports) for k in ("compiled", "reused")}
+    return dataclasses.replace(
+        first,
+        policy=" | ".join(f"{g.label}: {r.policy}" for g, r in zip(graphs, reports)),
+        planned_peak_device_bytes=max(held + r.planned_peak_device_bytes for r, held in zip(reports, held_at_start)),
+        recomputed_ops=[op for r in reports for op in r.recomputed_ops],
+        layers=list(layers.values()),
+        graphs=[g.label for g in graphs],
+        notes=notes,
+        host_bytes=host,
+        host_bytes_per_param=sum(host.values()) / num_params if num_params else 0.0,
+        segments=segments,
+    )
 
 
 _lock = threading.Lock()

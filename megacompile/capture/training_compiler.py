@@ -10,6 +10,7 @@ which lower them to ``StreamingProgram``s.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 import weakref
@@ -38,7 +39,12 @@ from megacompile.plan import flat_planner, template_planner
 from megacompile.plan.cost_model import optimizer_param_bytes, remember_flops, step_time
 from megacompile.plan.flat_planner import Attempt, PlanMaker
 from megacompile.plan.hardware import get_profile
-from megacompile.plan.memory_estimate import allocation_granularity, estimate_memory, storage_roots
+from megacompile.plan.memory_estimate import (
+    allocation_granularity,
+    estimate_memory,
+    storage_root_bytes,
+    storage_roots,
+)
 from megacompile.plan.template_planner import DEPTHS, MIN_LAYERS, Template
 from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 from megacompile.report import RECORDER
@@ -99,7 +105,8 @@ class TrainingCompiler:
             run_passes(bw, bctx, keep_snapshots=snapshots)
             how = dict(lowering=self.options.lowering, granularity=allocation_granularity(self.options.device))
             plan.forward = estimate_memory(fw, keep_outputs_alive=True, **how)
-            plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw), **how)
+            plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw),
+                                            input_storage_bytes=storage_root_bytes(fw, how["granularity"]), **how)
             return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
 
         return build
@@ -143,6 +150,34 @@ class TrainingCompiler:
             # distinct body, with no inputs) before the step's: save everything its backward
             # reads. The step's plan decides keep / offload / recompute on the inlined copies.
             return compat.save_everything_partition(joint, num_fwd_outputs)
+        held, holders = RECORDER.device_bytes_held(self.device)
+        if held and self.options.memory_budget is not None:
+            return self._partition_on_top_of(held, holders, joint, joint_inputs, num_fwd_outputs)
+        return self._partition(joint, joint_inputs, num_fwd_outputs)
+
+    def _partition_on_top_of(self, held: int, holders: list[str], joint, joint_inputs, num_fwd_outputs: int):
+        """A later graph of a step Dynamo split at a graph break runs while the earlier graphs'
+        saved activations wait on the device for their backward: it is planned within what
+        the budget leaves beside them."""
+        budget = self.options.memory_budget
+        what = (f"{format_bytes(held)} that {', '.join(holders)} of the same step hold on the device until "
+                f"their backward")
+        if held >= budget:
+            raise BudgetError(
+                f"megatrain: memory_budget={format_bytes(budget)} leaves nothing for {self.record.label}: {what}. "
+                f"Raise memory_budget above {held}, or avoid the graph break between them.",
+                minimum_budget=held + 1, limiting_layer=holders[0])
+        self.options = dataclasses.replace(self.options, memory_budget=budget - held)
+        try:
+            return self._partition(joint, joint_inputs, num_fwd_outputs)
+        except BudgetError as e:
+            minimum = None if e.minimum_budget is None else e.minimum_budget + held
+            raise BudgetError(
+                f"megatrain: {self.record.label} is planned within memory_budget={format_bytes(budget)} less "
+                f"{what}: {e}" + (f" For the whole step: at least {minimum}." if minimum else ""),
+                minimum_budget=minimum, limiting_layer=e.limiting_layer) from None
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int):
         profile = get_profile(self.options.hardware_profile())
         param_bytes = optimizer_param_bytes(self.record.num_params, self.options.precision)
 
@@ -299,6 +334,7 @@ def size_check(record: CompiledGraph, budget: int | None):
         return None
     checked: set[tuple] = set()
     roots = storage_roots(record.forward)
+    root_bytes = storage_root_bytes(record.forward, allocation_granularity(record.options.device))
     traced = ", ".join(f"{sym}={compat.int_hint(size)}" for _, _, sym, size in bindings)
 
     def check(args: list) -> None:
@@ -313,7 +349,8 @@ def size_check(record: CompiledGraph, budget: int | None):
                    granularity=allocation_granularity(record.options.device))
         estimates = [estimate_memory(record.forward, keep_outputs_alive=True, **how)]
         if record.backward is not None:
-            estimates.append(estimate_memory(record.backward, keep_outputs_alive=False, input_storage=roots, **how))
+            estimates.append(estimate_memory(record.backward, keep_outputs_alive=False, input_storage=roots,
+                                             input_storage_bytes=root_bytes, **how))
         worst = max(estimates, key=lambda e: e.peak_bytes)
         if worst.peak_bytes > budget:
             now = ", ".join(f"{sym}={v}" for sym, v in sizes.items())
@@ -339,7 +376,7 @@ def lower_with(options: Options, device):
         record.segment_stats = compile_segment.stats
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
         ends_step_part = start_step or record.plan.policy != "inference"
-        on_finish = (lambda: RECORDER.graph_finished(record)) if ends_step_part else None
+        on_finish = (lambda: RECORDER.graph_finished(record, backward=part == "backward")) if ends_step_part else None
         check = size_check(record, options.memory_budget) if part == "forward" else None
         # The stand-in's copies exist to be measured: where nothing is measured (the Inductor
         # lowering) they would only cost time, as long as no parameter is updated while a

@@ -44,6 +44,11 @@ def storage_root(node: fx.Node, memo: dict) -> fx.Node:
         tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         if tensors:
             root = storage_root(tensors[0], memo)
+    elif (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+          and is_view_node(node.args[0])):
+        # A piece of a multi-output view (split, unbind, chunk): it views the op's input, and
+        # holding one piece keeps the whole input alive.
+        root = storage_root(node.args[0], memo)
     memo[node] = root
     return root
 
@@ -88,6 +93,13 @@ def storage_roots(gm: fx.GraphModule) -> dict[str, str]:
     return {n.name: storage_root(n, memo).name for n in gm.graph.nodes if n.op in ("placeholder", "call_function")}
 
 
+def storage_root_bytes(gm: fx.GraphModule, granularity: int = 1) -> dict[str, int]:
+    """Name of each device storage's root -> its bytes (the traced example's sizes)."""
+    memo: dict = {}
+    roots = {storage_root(n, memo) for n in gm.graph.nodes if n.op in ("placeholder", "call_function")}
+    return {r.name: _owned_bytes(r, None, granularity) for r in roots if _owned_bytes(r, None, granularity)}
+
+
 def runtime_segments(gm: fx.GraphModule, lowering: str) -> list[list[fx.Node]] | None:
     """The runs the runtime compiles into one segment each (Inductor lowering), else None."""
     if lowering != "inductor":
@@ -98,9 +110,12 @@ def runtime_segments(gm: fx.GraphModule, lowering: str) -> list[list[fx.Node]] |
 
 def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None,
                     input_storage: dict[str, str] | None = None, sizes: dict | None = None,
-                    lowering: str = "eager", granularity: int = 1) -> MemoryEstimate:
+                    lowering: str = "eager", granularity: int = 1,
+                    input_storage_bytes: dict[str, int] | None = None) -> MemoryEstimate:
     """``input_storage``: for the backward, which saved inputs share one forward storage
-    (``storage_roots`` of the forward graph): they are one allocation, not several.
+    (``storage_roots`` of the forward graph): they are one allocation, not several, and as
+    large as that storage (``input_storage_bytes``, ``storage_root_bytes`` of the forward):
+    a saved piece of a split keeps the whole split input alive.
     ``sizes``: values of the graph's size symbols (sympy symbol -> int) to estimate at, for a
     call whose shapes differ from the traced example's; None: the example's sizes.
     ``lowering``: under "inductor", a value a compiled segment reads lives to the end of that
@@ -110,6 +125,7 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
     memo: dict = {}
+    storage_bytes: dict[fx.Node, int] = {}  # a saved input standing for a larger forward storage
     if input_storage:
         first_of: dict[str, fx.Node] = {}
         for n in nodes:
@@ -119,6 +135,8 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
                     memo[n] = first_of[key]
                 else:
                     first_of[key] = n
+                    if input_storage_bytes and key in input_storage_bytes:
+                        storage_bytes[n] = input_storage_bytes[key]
     birth: dict[fx.Node, int] = {}
     death: dict[fx.Node, int] = {}
     output = nodes[-1]
@@ -159,8 +177,8 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
     for node in nodes:
         if node.op != "call_function" or not isinstance(node.meta.get("val"), (tuple, list)):
             continue
-        if not has_info(node) or info(node).placement != "device":
-            continue
+        if not has_info(node) or info(node).placement != "device" or is_view_node(node):
+            continue  # (a multi-output view's pieces own nothing: they view its input)
         getitems = [u for u in node.users if u.target is operator.getitem]
         tuple_end = max((position[g] for g in getitems), default=position[node])
         for g in getitems:
@@ -178,7 +196,7 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
         delta[dies_at + 1] -= size
     start_bytes = end_bytes = 0
     for root, b in birth.items():
-        size = _owned_bytes(root, sizes, granularity)
+        size = max(_owned_bytes(root, sizes, granularity), storage_bytes.get(root, 0))
         delta[b] += size
         delta[death[root] + 1] -= size
         if b == 0 and root.op == "placeholder":

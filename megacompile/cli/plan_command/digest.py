@@ -141,6 +141,7 @@ def _curves(attempt) -> tuple[list, list]:
     kwargs = {}
     if "input_storage" in inspect.signature(plan_mod.estimate_memory).parameters:
         kwargs["input_storage"] = plan_mod.storage_roots(attempt.forward)
+        kwargs["input_storage_bytes"] = plan_mod.storage_root_bytes(attempt.forward)
     plan_mod.estimate_memory(attempt.backward, keep_outputs_alive=False, curve=bw, **kwargs)
     return fw, bw
 
