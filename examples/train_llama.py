@@ -193,6 +193,10 @@ def main(argv=None):
         return chunk[:, :-1].to(model_device), chunk[:, 1:].to(model_device)
 
     losses, times = [], []
+    if args.backend != "eager":
+        # The first step compiles (and, on first use, builds megatrain's host AdamW kernel).
+        hint = "; TORCH_LOGS=megatrain shows each phase and the plan" if args.backend == "megatrain" else ""
+        print(f"compiling the training step with {args.backend} (in the first step{hint})...", flush=True)
     bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
     for _ in bar:
         x, y = batch()

@@ -13,7 +13,7 @@ from megacompile.capture.records import compiled_graphs
 from megacompile.capture.repeated_layers import mark_repeated_layers, unmark_repeated_layers
 from megacompile.core import ops  # noqa: F401  (registers the megatrain op library)
 from megacompile.core.errors import BudgetError, MegacompileError, OptionsError, PlacementError
-from megacompile.core.torch_compat import register_dynamo_backend
+from megacompile.core.torch_compat import register_dynamo_backend, register_torch_logs
 from megacompile.options import Options, parse_options
 from megacompile.report import StepReport, last_report
 from megacompile.runtime.device import forget_weight_copies
@@ -26,3 +26,4 @@ __all__ = [
 ]
 
 register_dynamo_backend(megatrain, "megatrain")
+register_torch_logs()  # TORCH_LOGS="megatrain": README, "Logs"

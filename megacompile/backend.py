@@ -11,6 +11,7 @@ Dynamo splits the user's step into graphs and calls ``megatrain`` once per graph
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -34,6 +35,9 @@ from megacompile.passes import GraphSnapshot
 from megacompile.report import RECORDER
 from megacompile.runtime import trace
 from megacompile.runtime.device import get_device
+
+# TORCH_LOGS="megatrain" (README, "Logs"); the capture stage logs the phases that follow.
+log = logging.getLogger(__name__)
 
 
 def describe_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[list[str], list[str]]:
@@ -160,6 +164,8 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
         # decide which ops run in bf16, whatever device runs the program.
         compat.wrap_in_autocast(gm, "cpu", opts.autocast_dtype)
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
+    log.info("%s: compiling a graph of %d nodes (%d parameters) for %s; capturing it with AOTAutograd",
+             compiler.record.label, len(gm.graph.nodes), roles.count("param"), opts.device)
     try:
         with compat.invoke_subgraph_schema_memo(), cycle_collector_paused():
             compiled = compat.aot_module_simplified(

@@ -19,6 +19,7 @@ graph module while a pass runs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -29,6 +30,9 @@ from megacompile.core.node_info import info
 from megacompile.core.printer import format_graph
 from megacompile.passes import invariants
 from megacompile.passes.contract import PassContract, PassOrderError, check_order  # noqa: F401  (re-exported)
+
+# TORCH_LOGS="+megatrain": one line per pass run (README, "Logs").
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -114,6 +118,8 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: tuple, keep_snaps
         created, erased = provenance.stamp()
         ctx.ran.append(contract.name)
         ctx.facts |= contract.provides
+        log.debug("%s graph, plan %r: pass %s: +%d nodes, -%d, %.1f ms", ctx.stage, ctx.plan.policy, contract.name,
+                  created, erased, elapsed)
         if keep_snapshots:
             # The graph a plan will run is built with snapshots: it is linted after every
             # pass, so a broken graph names its pass. Candidates are linted once, at the end.

@@ -41,6 +41,7 @@ import platform
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -172,6 +173,14 @@ def _build(baseline_only: bool, verbose: bool) -> Path:
 
     name = _extension_name(baseline_only)
     directory = _build_directory(name)
+    library = directory / f"{name}.so"
+    # A first build takes tens of seconds on a small machine, inside the user's first step:
+    # say so on stderr (not a log: it must show without TORCH_LOGS). A cached one says nothing.
+    first = not library.exists()
+    if first:
+        print(f"megatrain: building the host AdamW kernel (first use; cached in {directory.parent})...",
+              file=sys.stderr, flush=True)
+    started = time.perf_counter()
     load(
         name=name,
         sources=[str(_SOURCE)],
@@ -182,7 +191,10 @@ def _build(baseline_only: bool, verbose: bool) -> Path:
         is_python_module=False,
         verbose=verbose,
     )
-    return directory / f"{name}.so"
+    if first:
+        print(f"megatrain: host AdamW kernel built in {time.perf_counter() - started:.0f} s", file=sys.stderr,
+              flush=True)
+    return library
 
 
 def load_extension(verbose: bool = False):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import platform
 import re
 import shutil
@@ -581,3 +582,64 @@ def test_unavailable_reports_reason(monkeypatch):
         fresh.fused_adam_step([torch.zeros(1)], [torch.zeros(1)], [torch.zeros(1)],
                               [torch.zeros(1)], 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                               weight_decay=0.0, decoupled=True)
+
+
+def test_first_build_says_so_and_a_cached_one_does_not(monkeypatch, tmp_path, capfd):
+    """A first build prints what it does and how long it took; a cached library loads silently.
+    torch's ``load`` is stood in for (it would compile for tens of seconds): it writes the library."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def fake_load(name, build_directory, **_):
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    first = _load_module("megacompile_test_host_adam_first_build")
+    monkeypatch.setattr(first, "_ensure_toolchain", lambda: None)
+    first.load_extension()
+    err = capfd.readouterr().err
+    assert "megatrain: building the host AdamW kernel (first use; cached in" in err and str(tmp_path) in err
+    assert re.search(r"megatrain: host AdamW kernel built in \d+ s", err), err
+
+    again = _load_module("megacompile_test_host_adam_cached_build")  # a new process, as it were
+    monkeypatch.setattr(again, "_ensure_toolchain", lambda: None)
+    again.load_extension()
+    assert "megatrain" not in capfd.readouterr().err
+
+
+_NO_COMPILER_STEP = """
+import torch
+torch.manual_seed(0)
+def run(compiled):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    def step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    if compiled:
+        step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    return [float(step(x)) for _ in range(3)]
+eager, compiled = run(False), run(True)
+torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+print("losses", compiled)
+"""
+
+
+def test_without_a_compiler_the_stock_optimizer_runs_with_a_warning(tmp_path):
+    """No C++ compiler (CXX names none) and nothing cached: the error names the missing compiler,
+    one warning says the optimizer's own step runs instead, and training gives eager's losses."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    env.update(CXX="/nonexistent/c++", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILER_STEP], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "losses" in out.stdout
+    assert out.stderr.count("the fused host AdamW kernel is not available") == 1, out.stderr[-3000:]
+    assert "no C++ compiler: '/nonexistent/c++' is not on PATH" in out.stderr
+    assert "the optimizer's own step runs instead" in out.stderr
+    assert not any(tmp_path.glob("*/*.so"))

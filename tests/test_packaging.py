@@ -1,4 +1,5 @@
 """Installation-level promises: the entry point and the private-API boundary."""
+import ast
 import pathlib
 import re
 import subprocess
@@ -24,14 +25,60 @@ def test_backend_string_works_without_importing_megacompile():
     assert out.stdout.strip().endswith("ok")
 
 
+# The installed source: the packages' folders and the one top-level module.
+SOURCES = [p for folder in ("megacompile", "passes", "runtime") for p in sorted((ROOT / folder).rglob("*.py"))]
+SOURCES.append(ROOT / "megacompile_autoload.py")
+
+
 def test_private_torch_apis_only_in_the_compat_module():
-    """Nothing outside megacompile/core/torch_compat.py imports from torch._* (one place to fix)."""
+    """Nothing outside megacompile/core/torch_compat.py imports from torch._* (one place to fix),
+    but the entry point torch runs while it imports (megacompile_autoload.py: its docstring says why)."""
     pattern = re.compile(r"^\s*(from|import)\s+torch\._", re.M)
-    offenders = []
-    for folder in ("megacompile", "passes", "runtime"):
-        for path in (ROOT / folder).rglob("*.py"):
-            if path.relative_to(ROOT).as_posix() == "megacompile/core/torch_compat.py":
-                continue
-            if pattern.search(path.read_text()):
-                offenders.append(str(path.relative_to(ROOT)))
+    allowed = {"megacompile/core/torch_compat.py", "megacompile_autoload.py"}
+    offenders = [p.relative_to(ROOT).as_posix() for p in SOURCES
+                 if p.relative_to(ROOT).as_posix() not in allowed and pattern.search(p.read_text())]
     assert offenders == []
+
+
+def _project() -> dict:
+    import tomllib  # lazy: Python 3.11+; the package supports 3.10, this module's other tests too
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower().replace("-", "_")
+
+
+def test_every_third_party_import_is_declared():
+    """Each top-level module the installed source imports, other than the standard library and
+    megacompile's own, is a dependency or in an extra of pyproject.toml (import name = the
+    distribution's name for all of them today)."""
+    project = _project()
+    required = {_requirement_name(r) for r in project["dependencies"]}
+    extras = {_requirement_name(r) for reqs in project["optional-dependencies"].values() for r in reqs}
+    assert "torch" in required and "transformers" in extras
+    imported: dict[str, str] = {}
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in ("megacompile", "megacompile_autoload"):
+                    imported.setdefault(top, f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert {"torch", "sympy", "transformers"} <= set(imported)
+    undeclared = {name: where for name, where in imported.items() if name not in required | extras}
+    assert undeclared == {}
+
+
+def test_torch_requirement_admits_this_torch():
+    """The declared torch range holds the torch the tests run on."""
+    import torch
+
+    (spec,) = [r for r in _project()["dependencies"] if _requirement_name(r) == "torch"]
+    bounds = dict(re.findall(r"(>=|<)\s*([\d.]+)", spec))
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    low = tuple(int(x) for x in bounds[">="].split(".")[:2])
+    high = tuple(int(x) for x in bounds["<"].split(".")[:2])
+    assert low <= version < high, (spec, torch.__version__)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import time
 import warnings
 import weakref
 from typing import Any
@@ -52,6 +54,27 @@ from megacompile.runtime.executor import StreamingProgram
 from megacompile.runtime.segment_cache import SegmentCache
 
 _graph_counter = itertools.count()
+# TORCH_LOGS="megatrain": each compile phase with its time, and the plan chosen (README, "Logs").
+log = logging.getLogger(__name__)
+
+
+def _log_plan(record: CompiledGraph, options: Options, seconds: float) -> None:
+    """The plan decision in two INFO lines: what was chosen and its numbers, then why."""
+    plan = record.plan
+    budget = plan.budget if plan.budget is not None else options.memory_budget
+    limit = f"under budget {format_bytes(budget)}" if budget is not None else "with no budget (the whole device)"
+    parts = [f"{part} {format_bytes(e.peak_bytes)}" for part, e in (("forward", plan.forward),
+                                                                     ("backward", plan.backward)) if e is not None]
+    if plan.limiting_layer:
+        parts.append(f"peak in layer {plan.limiting_layer}")
+    if plan.template:
+        parts.append(f"extrapolated from short copies: {format_bytes(plan.template['extrapolated_peak'])}")
+    predicted = f", predicted {plan.predicted_seconds * 1e3:.3f} ms/step" if plan.predicted_seconds else ""
+    log.info("%s: plan %r: planned peak %s %s (%s)%s; planned in %.1f s", record.label, plan.policy,
+             format_bytes(plan.peak_bytes), limit, "; ".join(parts), predicted, seconds)
+    default = "no backward: nothing to keep for it" if plan.policy == "inference" else "keeping every activation fits"
+    log.info("%s: why: %s", record.label, plan.reason or default)
+
 
 class TrainingCompiler:
     """The AOTAutograd callbacks for one Dynamo graph."""
@@ -64,6 +87,7 @@ class TrainingCompiler:
         self.input_roles = input_roles
         self.lower = lowering_fn
         self.record = CompiledGraph(label=f"graph{next(_graph_counter)}", options=options)
+        self.started = time.perf_counter()
 
         # The forward records the parameter tensors it ran with; the backward's gradient i
         # belongs to forward input i.
@@ -178,6 +202,9 @@ class TrainingCompiler:
                 minimum_budget=minimum, limiting_layer=e.limiting_layer) from None
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int):
+        started = time.perf_counter()
+        log.info("%s: captured the joint forward+backward graph (%d nodes) in %.1f s; planning",
+                 self.record.label, len(joint.graph.nodes), started - self.started)
         profile = get_profile(self.options.hardware_profile())
         param_bytes = optimizer_param_bytes(self.record.num_params, self.options.precision)
 
@@ -222,6 +249,7 @@ class TrainingCompiler:
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = chosen.snapshots
         records.add(self.record)
+        _log_plan(self.record, self.options, time.perf_counter() - started)
         return chosen.forward, chosen.backward
 
     # AOTAutograd compiles the backward lazily, inside ``loss.backward()`` within the user's
@@ -275,6 +303,7 @@ class TrainingCompiler:
 
     @torch.compiler.disable
     def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Any:
+        started = time.perf_counter()
         inline_regions.inline_nested_regions(gm)  # marked layers' calls, as traced (nothing partitioned)
         plan = TrainingPlan(PlanSpec(name="inference", budget=self.options.memory_budget))
         ctx = self._ctx("inference", plan)
@@ -292,6 +321,7 @@ class TrainingCompiler:
         self.record.plan, self.record.forward, self.record.snapshots = plan, gm, ctx.snapshots
         self.record.label += " (no backward)"
         records.add(self.record)
+        _log_plan(self.record, self.options, time.perf_counter() - started)
         # Glue without parameters (``loss.detach()``) belongs to the step around it.
         starts_step = "param" in self.input_roles
         return self.lower(gm, start_step=starts_step, record=self.record, part="forward")
@@ -373,6 +403,12 @@ def lower_with(options: Options, device):
     compile_segment = SegmentCache(compat.inductor_compile)
 
     def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str):
+        started = time.perf_counter()
+        program = _lower(gm, start_step=start_step, record=record, part=part)
+        log.info("%s %s: lowered (%s) in %.1f s", record.label, part, options.lowering, time.perf_counter() - started)
+        return program
+
+    def _lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str):
         record.segment_stats = compile_segment.stats
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
         ends_step_part = start_step or record.plan.policy != "inference"

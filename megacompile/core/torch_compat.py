@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch._dynamo.external_utils
+import torch._logging._internal
 import torch.fx as fx
 import torch.optim.optimizer as optim_module
 from torch._dynamo import list_backends, register_backend
@@ -205,6 +206,13 @@ def reset_dynamo() -> None:
 def register_dynamo_backend(fn, name: str) -> None:
     if name not in list_backends(exclude_tags=()):
         register_backend(fn, name=name)
+
+
+def register_torch_logs(name: str = "megatrain", logger: str = "megacompile") -> None:
+    """Let torch's logging system switch the ``megacompile`` loggers by ``name``:
+    ``torch._logging.set_logs(modules={"megatrain": logging.INFO})``, and ``TORCH_LOGS`` where
+    the name was registered before torch read it (megacompile_autoload.py, the same call)."""
+    torch._logging._internal.register_log(name, [logger])
 
 
 def has_composite_implicit_kernel(op) -> bool:

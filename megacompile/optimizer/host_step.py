@@ -15,6 +15,7 @@ state) keeps the captured graph.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -83,6 +84,21 @@ def fused_update(opt: torch.optim.Optimizer) -> None:
             )
 
 
+_warned_unavailable = False
+
+
+def kernel_available() -> bool:
+    """Whether the fused host Adam kernel runs here (building it on first use). Where it cannot
+    (no C++ compiler, a failed build), one warning says why: the optimizer's own step runs."""
+    global _warned_unavailable
+    status = host_adam_available()
+    if not status and not _warned_unavailable:
+        _warned_unavailable = True
+        warnings.warn(f"megatrain: the fused host AdamW kernel is not available ({status.reason}); the optimizer's "
+                      "own step runs instead (correct, slower, and not overlapped with the backward)", stacklevel=2)
+    return bool(status)
+
+
 def fused_step_for(gm: fx.GraphModule) -> Callable[..., Any] | None:
     """A fused replacement for a captured Adam / AdamW step graph, or None to keep the graph."""
     output = next(iter(gm.graph.find_nodes(op="output")))
@@ -92,7 +108,7 @@ def fused_step_for(gm: fx.GraphModule) -> Callable[..., Any] | None:
     if opt is None or not fused_kernel_runs(opt):
         return None
 
-    if not host_adam_available():
+    if not kernel_available():
         return None
 
     def fused_step(*_graph_inputs: Any) -> tuple:
@@ -137,7 +153,7 @@ def _step_can_leave_the_trace(opt: torch.optim.Optimizer) -> bool:
         return False
     # Meta parameters need no kernel (and loading it takes seconds: not for `megacompile plan`).
     on_meta = all(p.device.type == "meta" for group in opt.param_groups for p in group["params"])
-    return on_meta or bool(host_adam_available())
+    return on_meta or kernel_available()
 
 
 def take_step_out_of_trace(params: dict[int, torch.Tensor]) -> torch.optim.Optimizer | None:

@@ -45,11 +45,11 @@ import torch
 
 import megacompile.runtime
 from megacompile.core import torch_compat as compat
-from megacompile.optimizer.host_step import has_host_step
+from megacompile.optimizer.host_step import has_host_step, kernel_available
 from megacompile.optimizer.ownership import fused_kernel_runs
 from megacompile.runtime import trace
 from megacompile.runtime.gradient_sink import GradientSink
-from megacompile.runtime.host_adam import fused_adam_step, host_adam_available
+from megacompile.runtime.host_adam import fused_adam_step
 
 # Instructions that only shuffle the value stack or mark positions: what Dynamo's rewritten
 # frame does between the ``backward()`` call and the call of its resume function.
@@ -261,7 +261,7 @@ def _internal_directories() -> tuple[str, ...]:
 def _optimizer_ready(opt: torch.optim.Optimizer, params: dict[int, torch.Tensor]) -> str | None:
     if not fused_kernel_runs(opt):
         return f"{type(opt).__name__} is not run by the fused host kernel (stock Adam / AdamW only)"
-    if not host_adam_available():
+    if not kernel_available():
         return "the fused host Adam kernel is not available"
     if not (compat.step_is_stock(opt) or has_host_step(opt)) or "zero_grad" in vars(opt):
         return "the optimizer's step or zero_grad is overridden on the instance"
