@@ -58,6 +58,9 @@ class StepReport:
     # Inductor lowering: {"compiled": distinct segments compiled, "reused": segments that
     # reused a repeat's compiled code} for this step's graph; None for the eager lowering.
     segments: dict | None = None
+    # CUDA: the most the caching allocator reserved during the step (what nvidia-smi shows,
+    # beside what tensors held); None on the CPU stand-in, which has no allocator cache.
+    measured_reserved_device_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,6 +74,8 @@ class StepReport:
             f"  memory budget        {format_bytes(self.memory_budget) if self.memory_budget else 'none'}",
             f"  planned peak device  {format_bytes(self.planned_peak_device_bytes)}",
             f"  measured peak device {measured}",
+            *([f"  reserved peak device {format_bytes(self.measured_reserved_device_bytes)} (the allocator's cache)"]
+              if self.measured_reserved_device_bytes is not None else []),
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
@@ -189,11 +194,13 @@ class StepRecorder:
         graphs, device = cur["graphs"], cur["device"]
         device.synchronize()
         measured = device.tracker.peak_since_reset() if all(g.measures_peak for g in graphs) else None
+        reserved = device.tracker.reserved_peak()
         stats = copy.copy(device.stats)  # the counters as of now (later glue graphs add to them)
         stats.h2d_by_layer, stats.d2h_by_layer = dict(stats.h2d_by_layer), dict(stats.d2h_by_layer)
         overlapped = dataclasses.asdict(cur["overlap"]) if cur["overlap"] is not None else None
         self._pending = dict(graphs=list(graphs), held_at_start=list(cur["held_at_start"]), stats=stats,
-                             measured=measured, host_graphs=list(cur["host_graphs"]), optimizer=cur["optimizer"],
+                             measured=measured, reserved=reserved, host_graphs=list(cur["host_graphs"]),
+                             optimizer=cur["optimizer"],
                              staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped)
         self._last = None
 

@@ -49,6 +49,9 @@ class ArenaTracker:
     def peak_since_reset(self) -> int:
         return self.peak
 
+    def reserved_peak(self) -> None:
+        return None  # host memory the stand-in frees at once: no allocator cache to report
+
 
 class CudaTracker:
     def __init__(self, device: torch.device) -> None:
@@ -69,3 +72,8 @@ class CudaTracker:
 
     def peak_since_reset(self) -> int:
         return torch.cuda.max_memory_allocated(self.device) - self._baseline
+
+    def reserved_peak(self) -> int:
+        """The most the caching allocator reserved since the reset (whole device, not less a
+        baseline: it is what the GPU shows)."""
+        return torch.cuda.max_memory_reserved(self.device)

@@ -48,6 +48,9 @@ def test_cuda_parity_and_peak(name, lowering):
     report = megacompile.last_report()
     assert report.measured_peak_device_bytes is not None
     assert report.measured_peak_device_bytes <= budget
+    # What the allocator reserved is reported beside it (issue 17 asks for <= 1.05x the budget;
+    # not met yet at scale, so only stated here: reserved covers what tensors held).
+    assert report.measured_reserved_device_bytes >= report.measured_peak_device_bytes
     planned = report.planned_peak_device_bytes
     assert abs(report.measured_peak_device_bytes - planned) <= 0.05 * report.measured_peak_device_bytes
 

@@ -59,6 +59,7 @@ def train(workload) -> dict:
                           "host_optimizer_s": prediction.host_optimizer_s, "bottleneck": prediction.bottleneck},
             "planned_peak_device_bytes": report.planned_peak_device_bytes,
             "measured_peak_device_bytes": report.measured_peak_device_bytes,
+            "measured_reserved_device_bytes": report.measured_reserved_device_bytes,
             "host_bytes_per_param": report.host_bytes_per_param,
             "h2d_bytes": report.h2d_bytes, "d2h_bytes": report.d2h_bytes,
             "optimizer": report.optimizer, "segments": report.segments,
