@@ -2,10 +2,9 @@
 
 Autocast casts each fp32 weight to bf16 before its matmul; ``host_casts`` runs that cast on
 the host so the load carries 2 bytes per element. Made afresh before every load, the casts
-were a second of host-thread time per step at 1.9 B parameters (benchmarks/results/
-peers-2026-11-24-...-trace.json). Instead each weight has one bf16 copy, made at its first
-load and kept: the host optimizer rewrites it in the same pass as its update
-(``fused_adam_step(bf16_copies=...)``), and a load takes it as it is.
+held the host thread for most of a bf16 step (README, "Measured results"). Instead each weight
+has one bf16 copy, made at its first load and kept: the host optimizer rewrites it in the same
+pass as its update (``fused_adam_step(bf16_copies=...)``), and a load takes it as it is.
 
 A copy is current while its weight's version counter is the one recorded when the copy was
 written: every in-place write through torch bumps it (the host Adam kernel too), so a stock

@@ -198,3 +198,26 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {_module_name(init) for folder in FOLDERS for init in (ROOT / folder).rglob("__init__.py")}
     assert found - listed == set() and "megacompile.cli.plan_command" in found
+
+
+def test_docstrings_are_short_and_hold_no_history():
+    """Docstrings say what and why in a few lines (issue 16): none over 40 lines, and no dates;
+    history, timings and measurements live in benchmarks/results/ and docs/."""
+    import ast
+    import re
+
+    long, dated = [], []
+    for path in _modules().values():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                          ast.ClassDef)))]:
+            doc = ast.get_docstring(node)
+            if not doc:
+                continue
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'name', '<module>')}"
+            if doc.count("\n") >= 40:
+                long.append(f"{where} ({doc.count(chr(10)) + 1} lines)")
+            if re.search(r"\b20\d\d-\d\d-\d\d\b", doc):
+                dated.append(where)
+    assert not long, f"docstrings over 40 lines (move the detail to docs/architecture.md): {long}"
+    assert not dated, f"dates in docstrings (history belongs in benchmarks/results/ or docs/): {dated}"
