@@ -12,7 +12,13 @@ from megacompile.backend import megatrain
 from megacompile.capture.records import compiled_graphs
 from megacompile.capture.repeated_layers import mark_repeated_layers, unmark_repeated_layers
 from megacompile.core import ops  # noqa: F401  (registers the megatrain op library)
-from megacompile.core.errors import BudgetError, MegacompileError, OptionsError, PlacementError
+from megacompile.core.errors import (
+    BudgetError,
+    MegacompileError,
+    OptionsError,
+    PartialUpdateError,
+    PlacementError,
+)
 from megacompile.core.torch_compat import register_dynamo_backend, register_torch_logs
 from megacompile.options import Options, parse_options
 from megacompile.report import StepReport, last_report
@@ -21,6 +27,7 @@ from megacompile.runtime.trace import trace_runtime
 
 __all__ = [
     "BudgetError", "MegacompileError", "compiled_graphs", "forget_weight_copies", "Options", "OptionsError",
+    "PartialUpdateError",
     "PlacementError", "StepReport", "last_report", "mark_repeated_layers", "megatrain", "parse_options",
     "trace_runtime", "unmark_repeated_layers",
 ]

@@ -126,7 +126,10 @@ class StepRecorder:
     def forward_started(self, compiled, device) -> None:
         with self._lock:
             cur = self._current
-            if cur is not None and cur["device"] is device and cur["awaiting_backward"]:
+            # A graph that starts again while its own backward is awaited left a forward
+            # without backward behind (an error, a loss never backpropagated): a new step.
+            if (cur is not None and cur["device"] is device and cur["awaiting_backward"]
+                    and compiled not in cur["awaiting_backward"]):
                 if compiled not in cur["graphs"]:
                     cur["graphs"].append(compiled)
                     cur["held_at_start"].append(self._held(cur))

@@ -30,6 +30,7 @@ import torch.fx as fx
 from megacompile.core import ops
 from megacompile.core import torch_compat as compat
 from megacompile.core.enums import Role
+from megacompile.core.errors import PartialUpdateError
 from megacompile.core.node_info import has_info, info, is_view_node
 from megacompile.core.torch_compat import no_dispatch_modes
 from megacompile.runtime import trace as _trace
@@ -462,12 +463,20 @@ class StreamingProgram:
             sink = _RETURN_EVERYTHING
         recorder = _trace.active()
         program_start = time.perf_counter_ns() if recorder is not None else 0
+        failed = False
         try:
             return self._run(args, sink, recorder)
+        except BaseException as error:
+            failed = True
+            # Updates already submitted finish before anyone can look at the parameters.
+            sink.finish(failed=True)
+            updated = sink.updated_before_failure()
+            if updated:
+                raise _partial_update_error(self.label, updated, error) from error
+            raise
         finally:
-            # Also on an error: updates already submitted must finish before anyone can look
-            # at the parameters.
-            sink.finish()
+            if not failed:
+                sink.finish()
             if recorder is not None:  # the program's event encloses the updates it waited for
                 recorder.add_program(self.label, program_start, time.perf_counter_ns(),
                                      {"instructions": len(self.instructions)})
@@ -498,6 +507,18 @@ class StreamingProgram:
         result = resolve(self.output_template, env)
         env.clear()
         return result
+
+
+def _partial_update_error(label: str, updated: list, error: BaseException) -> PartialUpdateError:
+    """The error of a program run that failed after its sink (the overlapped host optimizer)
+    had updated some layers: says so and names them."""
+    count = sum(n for _, n in updated)
+    layers = ", ".join(str(layer or "(glue)") for layer, _ in updated)
+    return PartialUpdateError(
+        f"megatrain: {label} failed ({type(error).__name__}: {error}) after the host optimizer had already "
+        f"updated {count} parameters of layers {layers} in this step. Those parameters and their optimizer "
+        f"state are one step ahead of the rest, which are as before the step: restore a checkpoint to retry "
+        f"the step, or go on knowing it.", updated, error)
 
 
 # Stateless: one default sink for every program.

@@ -44,5 +44,10 @@ class GradientSink:
         ``cast`` runs the graph's cast on a tensor."""
         return cast(narrow)
 
-    def finish(self) -> None:
-        """The program is returning (also after an error): nothing may still be in flight."""
+    def finish(self, failed: bool = False) -> None:
+        """The program is returning (``failed``: with an error): nothing may still be in flight."""
+
+    def updated_before_failure(self) -> list[tuple[str | None, int]]:
+        """After ``finish(failed=True)``: (layer, parameter count) of what the sink updated
+        in this program run before the error (empty: nothing changed)."""
+        return []

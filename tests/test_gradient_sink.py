@@ -34,8 +34,9 @@ class TakeAll(GradientSink):
             ready()
         self.taken.append((position, host_grad, layer))
 
-    def finish(self):
+    def finish(self, failed=False):
         self.finished += 1
+        self.failed = failed
 
 
 class WatchWidening(GradientSink):
@@ -126,4 +127,4 @@ def test_sink_finishes_after_an_error(bf16_mlp):
     backward.make_sink = lambda: sink
     with pytest.raises(RuntimeError, match="sink refused a gradient"):
         step()
-    assert sink.finished == 1
+    assert sink.finished == 1 and sink.failed  # told the program failed

@@ -33,6 +33,20 @@ class BudgetError(MegacompileError, ValueError):
         self.limiting_layer = limiting_layer
 
 
+class PartialUpdateError(MegacompileError, RuntimeError):
+    """A step failed after the overlapped host optimizer had updated some layers.
+
+    ``updated`` lists (layer, parameter count) of what was updated in the failed step: those
+    parameters and their optimizer state are one step ahead of the others (restore a
+    checkpoint, or accept it). ``error`` is the error that stopped the step (the autograd
+    engine does not keep ``__cause__`` across its threads)."""
+
+    def __init__(self, message: str, updated: list[tuple[str | None, int]], error: BaseException | None = None):
+        super().__init__(message)
+        self.updated = updated
+        self.error = error
+
+
 class PlacementError(MegacompileError, ValueError):
     """Parameters are not where megatrain needs them (it keeps them in host memory)."""
 

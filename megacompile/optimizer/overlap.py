@@ -350,6 +350,7 @@ class GradientLander(GradientSink):
         self._futures: list[concurrent.futures.Future] = []
         self._lock = threading.Lock()
         self._pending_bytes = 0
+        self._updated: list[tuple[str | None, int]] = []  # (layer, parameters) done, in order
 
     def owns(self, position: int) -> bool:
         return position in self.params
@@ -406,6 +407,7 @@ class GradientLander(GradientSink):
             self._pending_bytes -= nbytes
             self.stats.update_seconds += time.perf_counter() - start
             self.stats.updated_params += sum(len(items) for items, _ in work)
+            self._updated.append((layer, sum(len(items) for items, _ in work)))
 
     def _fused_update(self, params: list[torch.Tensor], grads: list[torch.Tensor], hyper: dict) -> None:
         """One fused update; under bf16 the weights' copies that loads carry are rewritten in
@@ -425,20 +427,32 @@ class GradientLander(GradientSink):
             if with_copy:
                 self.device.weight_copies.updated(ps)
 
-    def finish(self) -> None:
-        """Waits for every update (the backward returns only when parameters are current)."""
-        if self._batch:
+    def finish(self, failed: bool = False) -> None:
+        """Waits for every update (the backward returns only when parameters are current).
+        After an error (``failed``) the layer still being collected is not updated, and
+        ``param.grad`` is left as it was."""
+        if self._batch and not failed:
             self._submit()
+        self._batch, self._batch_layer = [], None
         start = time.perf_counter()
         try:
             for f in self._futures:
-                f.result()  # re-raises a failed update here, on the backward's thread
+                if failed:
+                    concurrent.futures.wait([f])  # the step's own error is the one to report
+                else:
+                    f.result()  # re-raises a failed update here, on the backward's thread
         finally:
             self.stats.exposed_seconds = time.perf_counter() - start
+        if failed:
+            return
         # Eager's AccumulateGrad would have left these for step(); the update used them.
         for p in self.params.values():
             if p.grad is not None:
                 p.grad = None
+
+    def updated_before_failure(self) -> list[tuple[str | None, int]]:
+        with self._lock:
+            return list(self._updated)
 
 
 class ParamInputs:
