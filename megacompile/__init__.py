@@ -14,6 +14,7 @@ from megacompile.capture.repeated_layers import mark_repeated_layers, unmark_rep
 from megacompile.core import ops  # noqa: F401  (registers the megatrain op library)
 from megacompile.core.errors import (
     BudgetError,
+    HostMemoryError,
     MegacompileError,
     OptionsError,
     PartialUpdateError,
@@ -27,7 +28,7 @@ from megacompile.runtime.trace import trace_runtime
 
 __all__ = [
     "BudgetError", "MegacompileError", "compiled_graphs", "forget_weight_copies", "Options", "OptionsError",
-    "PartialUpdateError",
+    "HostMemoryError", "PartialUpdateError",
     "PlacementError", "StepReport", "last_report", "mark_repeated_layers", "megatrain", "parse_options",
     "trace_runtime", "unmark_repeated_layers",
 ]

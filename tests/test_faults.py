@@ -83,3 +83,30 @@ def test_a_load_that_runs_out_of_memory_loses_nothing_silently(monkeypatch, wher
             assert all(_same(opt.state[p][k], v) for k, v in state[name].items()), name
     monkeypatch.undo()
     assert torch.isfinite(step(x, y))  # and training goes on
+
+
+def test_a_host_that_cannot_hold_the_optimizer_state_gets_an_error_before_allocation(monkeypatch):
+    """AdamW's state is allocated at the first step: with less host memory available than it
+    needs, ``HostMemoryError`` names both numbers, nothing is allocated and the parameters are
+    unchanged; with enough, the same step trains."""
+    from megacompile.core import host_memory
+
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
+    torch.manual_seed(0)
+    model = ctor(depth=3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step, opt = make_training_step(model, loss_fn)
+    step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    needed = sum(2 * p.numel() * 4 for p in model.parameters())
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: needed - 1)
+    x, y = make_batch(torch.Generator().manual_seed(1))
+    with pytest.raises(megacompile.HostMemoryError, match="more host memory") as info:
+        step(x, y)
+    assert info.value.needed_bytes == needed and info.value.available_bytes == needed - 1
+    assert str(needed) in str(info.value)
+    assert not any(opt.state[p] for p in model.parameters())  # nothing allocated
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: needed)
+    torch._dynamo.reset()
+    assert torch.isfinite(step(x, y))
+    assert all(opt.state[p] for p in model.parameters())

@@ -47,6 +47,16 @@ class PartialUpdateError(MegacompileError, RuntimeError):
         self.error = error
 
 
+class HostMemoryError(MegacompileError, MemoryError):
+    """The host cannot hold what megatrain is about to allocate (``core/host_memory.py``);
+    raised before anything is allocated."""
+
+    def __init__(self, message: str, needed_bytes: int, available_bytes: int):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+
 class PlacementError(MegacompileError, ValueError):
     """Parameters are not where megatrain needs them (it keeps them in host memory)."""
 

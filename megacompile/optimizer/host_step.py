@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from megacompile.core import torch_compat as compat
+from megacompile.core.host_memory import check_host_allocation
 from megacompile.optimizer import eager_update_watch
 from megacompile.optimizer.ownership import fused_kernel_runs, optimizer_of, optimizer_of_graph
 from megacompile.report import RECORDER
@@ -55,6 +56,11 @@ def fused_update(opt: torch.optim.Optimizer) -> None:
     step counters advance, nothing else.
     """
     decoupled_default = isinstance(opt, torch.optim.AdamW)
+    # The moments of every parameter that has none yet, checked against the host's free
+    # memory before the first is allocated (AdamW's state is the largest host allocation).
+    new_state = sum(2 * p.numel() * p.element_size() for group in opt.param_groups for p in group["params"]
+                    if p.grad is not None and not opt.state[p] and p.device.type != "meta")
+    check_host_allocation(new_state, f"{type(opt).__name__}'s state (exp_avg and exp_avg_sq of each parameter)")
     for group in opt.param_groups:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in group["params"]:
