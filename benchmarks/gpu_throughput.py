@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _machine import cpu_model  # noqa: E402
+from peer_systems.workload import parallel_initialized_llama  # noqa: E402  (the same weights for seed 0)
 from reference_models import labels_training_step, training_state_bytes  # noqa: E402
 
 import megacompile  # noqa: E402
@@ -66,39 +67,6 @@ def build_llama(args):
     if not args.parallel_init:
         return LlamaForCausalLM(config)
     return parallel_initialized_llama(config)
-
-
-def parallel_initialized_llama(config):
-    """A Llama with Hugging Face's initialization (normal(0, initializer_range) for linear and
-    embedding weights, ones for the norms), drawn on all host cores: transformers draws its
-    weights one tensor at a time on one core (16 s for 0.5 B parameters here), far too slow for
-    a model of several billion. Built on the meta device, given host storage, then filled; the
-    non-persistent buffers (the rotary frequencies) come from a one-layer model built normally."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.to_empty(device="cpu")
-    small = LlamaForCausalLM(type(config)(**{**config.to_dict(), "num_hidden_layers": 1}))
-    small_buffers = dict(small.named_buffers())
-    for name, buf in model.named_buffers():
-        if name not in small_buffers:
-            raise RuntimeError(f"buffer {name} has no counterpart in the one-layer model")
-        buf.copy_(small_buffers[name])
-
-    def fill(item):
-        index, (name, param) = item
-        with torch.no_grad():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, config.initializer_range, generator=torch.Generator().manual_seed(index))
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # normal_ releases the GIL
-        list(pool.map(fill, enumerate(model.named_parameters())))
-    return model
 
 
 def llama_config(args):

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .workload import single_rank_process_group, timed_steps
+from .workload import labels_step, single_rank_process_group, timed_steps
 
 
 def train(workload) -> dict:
@@ -27,15 +27,7 @@ def train(workload) -> dict:
     fused = os.environ.get("PEERS_FSDP2_FUSED", "1") == "1"
     opt = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.0, fused=fused or None)
 
-    def step(x):
-        x = x.cuda(non_blocking=True)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    times, losses = timed_steps(step, workload.batches())
+    times, losses = timed_steps(labels_step(model, opt), workload.batches())
     return {"step_times": times, "losses": losses,
             "notes": f"torch {torch.__version__} FSDP2 fully_shard x{len(model.model.layers)} layers + root, "
                      f"CPUOffloadPolicy(pin_memory=True), MixedPrecisionPolicy(bf16 params, fp32 reduce), "

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .workload import timed_steps
+from .workload import labels_step, timed_steps
 
 
 def train(workload) -> dict:
@@ -18,16 +18,7 @@ def train(workload) -> dict:
     compiled = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=workload.lr, weight_decay=0.0, fused=True)
 
-    def step(x):
-        x = x.cuda(non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = compiled(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    times, losses = timed_steps(step, workload.batches())
+    times, losses = timed_steps(labels_step(compiled, opt, autocast=True), workload.batches())
     return {"step_times": times, "losses": losses,
             "notes": f"torch.compile(model), autocast bf16 over fp32 weights, fused CUDA AdamW, "
                      f"activation checkpointing {'per layer' if checkpoint else 'off'}"}

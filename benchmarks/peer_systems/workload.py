@@ -50,34 +50,9 @@ class Workload:
         )
 
     def build_model(self):
-        """fp32 on the host, Hugging Face's init (normal(0, initializer_range), norms ones),
-        each tensor drawn from its own seeded generator on a pool of threads: the same weights
-        in every process, in seconds rather than minutes for billions of parameters."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from transformers import LlamaForCausalLM
-
-        config = self.llama_config()
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        model.to_empty(device="cpu")
-        small = LlamaForCausalLM(type(config)(**{**config.to_dict(), "num_hidden_layers": 1}))
-        small_buffers = dict(small.named_buffers())
-        for name, buf in model.named_buffers():  # the rotary frequencies: not parameters
-            buf.copy_(small_buffers[name])
-
-        def fill(item):
-            index, (name, param) = item
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                else:
-                    gen = torch.Generator().manual_seed(self.seed * 100_003 + index)
-                    param.normal_(0.0, config.initializer_range, generator=gen)
-
-        with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # normal_ releases the GIL
-            list(pool.map(fill, enumerate(model.named_parameters())))
-        return model
+        """fp32 on the host, Hugging Face's init, the same weights in every process
+        (``parallel_initialized_llama``)."""
+        return parallel_initialized_llama(self.llama_config(), self.seed)
 
     def batches(self) -> list[torch.Tensor]:
         """``steps`` batches of token ids [batch, seq] on the host (labels are the ids)."""
@@ -102,6 +77,38 @@ class Workload:
         return 6.0 * n * self.tokens_per_step + attention
 
 
+def parallel_initialized_llama(config, seed: int = 0):
+    """A Llama with Hugging Face's initialization (normal(0, initializer_range) for linear and
+    embedding weights, ones for the norms), each tensor drawn from its own seeded generator on
+    a pool of threads: transformers draws one tensor at a time on one core, minutes for
+    billions of parameters. Built on the meta device, given host storage, then filled; the
+    non-persistent buffers (the rotary frequencies) come from a one-layer model built normally."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    small = LlamaForCausalLM(type(config)(**{**config.to_dict(), "num_hidden_layers": 1}))
+    small_buffers = dict(small.named_buffers())
+    for name, buf in model.named_buffers():
+        buf.copy_(small_buffers[name])
+
+    def fill(item):
+        index, (name, param) = item
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                gen = torch.Generator().manual_seed(seed * 100_003 + index)
+                param.normal_(0.0, config.initializer_range, generator=gen)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:  # normal_ releases the GIL
+        list(pool.map(fill, enumerate(model.named_parameters())))
+    return model
+
+
 def timed_steps(step, batches) -> tuple[list[float], list[float]]:
     """Run ``step(x)`` on each batch; a step ends when its loss reached the host as a float."""
     import time
@@ -116,6 +123,20 @@ def timed_steps(step, batches) -> tuple[list[float], list[float]]:
         times.append(time.perf_counter() - start)
         losses.append(loss)
     return times, losses
+
+
+def labels_step(model, opt, autocast: bool = False):
+    """``step(x)``: the batch to the GPU, the model's own loss from ``labels=x`` (under bf16
+    autocast if asked), backward, optimizer step, gradients dropped."""
+    def step(x):
+        x = x.cuda(non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
 
 
 def single_rank_process_group(backend: str = "nccl") -> None:
