@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from reference_models import labels_training_step
 from test_bf16 import _megatrain_optimizer_arithmetic
 
 import megacompile
@@ -25,27 +26,14 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-def _step(model, megatrain_arithmetic=False):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if megatrain_arithmetic:  # the host kernel's correctly rounded sqrt (tests/test_bf16.py explains)
-        _megatrain_optimizer_arithmetic(opt)
-
-    def step(x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return step
-
-
 def test_a_step_of_two_graphs_is_planned_and_reported_as_one():
     budget = parse_bytes("5.3MiB")
     model = _gpt2()
     reference = copy.deepcopy(model)
-    compiled = torch.compile(_step(model), backend="megatrain",
+    compiled = torch.compile(labels_training_step(model), backend="megatrain",
                              options={"device": "cpu", "lowering": "eager", "memory_budget": budget})
-    eager = _step(reference, megatrain_arithmetic=True)
+    # The host kernel's correctly rounded sqrt on the eager side too (tests/test_bf16.py explains).
+    eager = labels_training_step(reference, wrap_optimizer=_megatrain_optimizer_arithmetic)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randint(0, 512, (2, 64), generator=gen)
