@@ -306,8 +306,9 @@ class Offload(Instruction):
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
-class Wait(Instruction):
-    kind: ClassVar[str] = "wait"
+class _OrderingOp(Instruction):
+    """A memory op that only orders work around one value: reads it, writes nothing."""
+
     source: int
 
     def reads(self) -> list[int]:
@@ -315,6 +316,11 @@ class Wait(Instruction):
 
     def writes(self) -> list[int]:
         return []
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Wait(_OrderingOp):
+    kind: ClassVar[str] = "wait"
 
     def run(self, call: Call) -> None:
         value = call.env[self.source]
@@ -323,15 +329,8 @@ class Wait(Instruction):
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
-class Evict(Instruction):
+class Evict(_OrderingOp):
     kind: ClassVar[str] = "evict"
-    source: int
-
-    def reads(self) -> list[int]:
-        return [self.source]
-
-    def writes(self) -> list[int]:
-        return []
 
     def run(self, call: Call) -> None:
         call.device.evict(call.env[self.source])

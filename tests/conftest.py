@@ -38,3 +38,18 @@ def compile_small_training_graph(**options):
     compiled = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager", **options})
     compiled(torch.randn(2, 8))
     return next(r for r in COMPILED if r.backward is not None)
+
+
+def record_programs(monkeypatch) -> list:
+    """Every ``StreamingProgram`` built from now on in the test, in build order."""
+    from megacompile.runtime.executor import StreamingProgram
+
+    programs: list = []
+    build = StreamingProgram._build
+
+    def recording_build(self):
+        build(self)
+        programs.append(self)
+
+    monkeypatch.setattr(StreamingProgram, "_build", recording_build)
+    return programs

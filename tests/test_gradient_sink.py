@@ -8,12 +8,11 @@ a sink that owns nothing still sees each widening; ``finish`` runs also after an
 """
 import pytest
 import torch
-from conftest import COMPILED
+from conftest import COMPILED, record_programs
 from reference_models import MLP, REFERENCE_MODELS
 
 from megacompile.core import ops
 from megacompile.core.node_info import info
-from megacompile.runtime.executor import StreamingProgram
 from megacompile.runtime.gradient_sink import GradientSink
 
 
@@ -52,14 +51,7 @@ class WatchWidening(GradientSink):
 def bf16_mlp(monkeypatch):
     """A compiled bf16 MLP forward+backward (no optimizer), its backward program and a step
     that leaves the gradients in ``param.grad`` (None before each call)."""
-    programs = []
-    build = StreamingProgram._build
-
-    def recording_build(self):
-        build(self)
-        programs.append(self)
-
-    monkeypatch.setattr(StreamingProgram, "_build", recording_build)
+    programs = record_programs(monkeypatch)
     _, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
     torch.manual_seed(0)
     model = MLP(depth=3)

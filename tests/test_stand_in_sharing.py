@@ -12,12 +12,12 @@ import copy
 
 import pytest
 import torch
+from conftest import record_programs
 from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 import megacompile
 from megacompile.core import torch_compat as compat
 from megacompile.runtime.device import CpuStandInDevice
-from megacompile.runtime.executor import StreamingProgram
 
 
 @pytest.fixture
@@ -108,14 +108,7 @@ def test_shared_memory_ops_leave_one_segment_per_layer(calls, monkeypatch):
     sharing, each layer's forward and each layer's backward is one segment (loads are issued
     ahead of it, offloads after it, and waits and evicts are gone); the copying program cuts
     it at every memory op. Both train equal to eager."""
-    programs = []
-    build = StreamingProgram._build
-
-    def recording_build(self):
-        build(self)
-        programs.append(self)
-
-    monkeypatch.setattr(StreamingProgram, "_build", recording_build)
+    programs = record_programs(monkeypatch)
 
     def segment_layers(options: dict) -> dict:
         programs.clear()
