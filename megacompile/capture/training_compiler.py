@@ -199,7 +199,8 @@ class TrainingCompiler:
             raise BudgetError(
                 f"megatrain: {self.record.label} is planned within memory_budget={format_bytes(budget)} less "
                 f"{what}: {e}" + (f" For the whole step: at least {minimum}." if minimum else ""),
-                minimum_budget=minimum, limiting_layer=e.limiting_layer) from None
+                minimum_budget=minimum, limiting_layer=e.limiting_layer,
+                streaming_floor=e.streaming_floor) from None
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int):
         started = time.perf_counter()
