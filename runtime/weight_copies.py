@@ -25,6 +25,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megacompile.core import torch_compat as compat
+from megacompile.runtime.pinned_memory import PinnedHostBudget
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,8 +46,9 @@ class WeightCopyStats:
 class WeightCopies:
     """One low-precision copy per host weight, held while the weight lives."""
 
-    def __init__(self, page_lock: bool) -> None:
+    def __init__(self, page_lock: bool, pinned: PinnedHostBudget | None = None) -> None:
         self.page_lock = page_lock
+        self.pinned = pinned  # the device's cap on page-locked bytes (None: no cap)
         self.stats = WeightCopyStats()
         self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._lock = threading.Lock()
@@ -74,9 +76,12 @@ class WeightCopies:
         copy = torch.empty(weight.shape, dtype=dtype)  # contiguous: what the kernel writes
         with torch.no_grad():
             copy.copy_(weight)
-        if self.page_lock:
+        nbytes = copy.numel() * copy.element_size()
+        if self.page_lock and (self.pinned is None or self.pinned.try_pin(nbytes)):
             compat.register_host_memory(copy)
             weakref.finalize(copy, compat.unregister_host_memory, copy.data_ptr())
+            if self.pinned is not None:
+                weakref.finalize(copy, self.pinned.release, nbytes)
         entry = _Copy(copy, compat.tensor_version(weight), weight.data_ptr())
         self._copies[weight] = entry
         return entry

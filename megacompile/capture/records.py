@@ -75,7 +75,8 @@ class CompiledGraph:
         return _merge_step_reports(graphs, reports, held_at_start, host, num_params)
 
     def make_report(self, stats, measured: int | None, host_graphs: list[str], optimizer=None,
-                    staging_peak: int = 0, overlap: dict | None = None, reserved: int | None = None) -> StepReport:
+                    staging_peak: int = 0, overlap: dict | None = None, reserved: int | None = None,
+                    pinned: tuple[int, int | None] = (0, None)) -> StepReport:
         """The step's report from its transfer counters (``device.stats``), measured peaks, the
         optimizer whose state counts as host memory, and the overlapped optimizer's stats."""
         plan = self.plan
@@ -124,6 +125,8 @@ class CompiledGraph:
             planned_peak_device_bytes=plan.peak_bytes,
             measured_peak_device_bytes=measured,
             measured_reserved_device_bytes=reserved,
+            pinned_host_bytes=pinned[0],
+            pinned_host_cap=pinned[1],
             h2d_bytes=stats.h2d_bytes,
             d2h_bytes=stats.d2h_bytes,
             recomputed_ops=list(plan.recomputed_ops),
