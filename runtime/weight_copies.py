@@ -25,6 +25,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megacompile.core import torch_compat as compat
+from megacompile.core.host_memory import check_host_allocation
 from megacompile.runtime.pinned_memory import PinnedHostBudget
 
 
@@ -73,6 +74,8 @@ class WeightCopies:
             return entry.tensor
 
     def _make(self, weight: torch.Tensor, dtype: torch.dtype) -> _Copy:
+        check_host_allocation(weight.numel() * dtype.itemsize, f"the {dtype} copy of a weight of shape "
+                              f"{tuple(weight.shape)} (precision='bf16' keeps one per weight on the host)")
         copy = torch.empty(weight.shape, dtype=dtype)  # contiguous: what the kernel writes
         with torch.no_grad():
             copy.copy_(weight)
