@@ -36,7 +36,7 @@ from megacompile.report import RECORDER
 from megacompile.runtime import trace
 from megacompile.runtime.device import get_device
 
-# TORCH_LOGS="megatrain" (README, "Logs"); the capture stage logs the phases that follow.
+# TORCH_LOGS="megatrain" (docs/guide.md, "Logs"); the capture stage logs the phases that follow.
 log = logging.getLogger(__name__)
 
 

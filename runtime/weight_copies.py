@@ -2,7 +2,7 @@
 
 Autocast casts each fp32 weight to bf16 before its matmul; ``host_casts`` runs that cast on
 the host so the load carries 2 bytes per element. Made afresh before every load, the casts
-held the host thread for most of a bf16 step (README, "Measured results"). Instead each weight
+held the host thread for most of a bf16 step (docs/results.md). Instead each weight
 has one bf16 copy, made at its first load and kept: the host optimizer rewrites it in the same
 pass as its update (``fused_adam_step(bf16_copies=...)``), and a load takes it as it is.
 

@@ -54,7 +54,7 @@ from megacompile.runtime.executor import StreamingProgram
 from megacompile.runtime.segment_cache import SegmentCache
 
 _graph_counter = itertools.count()
-# TORCH_LOGS="megatrain": each compile phase with its time, and the plan chosen (README, "Logs").
+# TORCH_LOGS="megatrain": each compile phase with its time, and the plan chosen (docs/guide.md, "Logs").
 log = logging.getLogger(__name__)
 
 
