@@ -44,6 +44,7 @@ from megacompile.plan.hardware import get_profile
 from megacompile.plan.memory_estimate import (
     allocation_granularity,
     estimate_memory,
+    estimate_program_pair,
     storage_root_bytes,
     storage_roots,
 )
@@ -127,10 +128,8 @@ class TrainingCompiler:
             run_passes(fw, fctx, keep_snapshots=snapshots)
             bctx = self._ctx("backward", plan)
             run_passes(bw, bctx, keep_snapshots=snapshots)
-            how = dict(lowering=self.options.lowering, granularity=allocation_granularity(self.options.device))
-            plan.forward = estimate_memory(fw, keep_outputs_alive=True, **how)
-            plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw),
-                                            input_storage_bytes=storage_root_bytes(fw, how["granularity"]), **how)
+            plan.forward, plan.backward = estimate_program_pair(
+                fw, bw, self.options.lowering, allocation_granularity(self.options.device))
             return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
 
         return build
