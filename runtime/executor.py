@@ -387,8 +387,8 @@ class StreamingProgram:
         # Called at the start of each call: the GradientSink that takes returned gradients as
         # they land (the overlapped optimizer's lander), or None for the default sink.
         self.make_sink = make_sink
-        # Set to a list to record (instruction, device bytes live after it): debugging aid
-        # for comparing the measured curve with the plan's.
+        # Set to a list to record (instruction name, device bytes live after it) over the last
+        # run: the measured curve beside the plan's (`megacompile inspect --plot`).
         self.memory_log: list | None = None
         self._build()
 
@@ -491,6 +491,8 @@ class StreamingProgram:
         for s in self.free_at_start:
             env[s] = None
         device = self.device
+        if self.memory_log is not None:
+            self.memory_log.clear()
         call = Call(env, device, sink, track=self.lowering == "eager", share=self.share_host_memory,
                     compile=self._compile)
         for instr in self.instructions:

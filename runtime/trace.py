@@ -42,7 +42,7 @@ import torch
 
 # The active recorder, or None. Read without a lock: a reference read is atomic, and a
 # recorder that ends while a span is open still accepts the event (it is simply not written).
-_ACTIVE: "TraceRecorder | None" = None
+_ACTIVE: "TraceRecorder | _Fanout | None" = None
 _ACTIVE_LOCK = threading.Lock()
 
 _STREAM_THREAD = -1  # the "thread" of events timed on CUDA streams
@@ -165,8 +165,35 @@ class TraceRecorder:
             json.dump(data, f)
 
 
-def active() -> TraceRecorder | None:
-    """The recorder of the active trace, or None (the executor reads this once per run)."""
+class _Fanout:
+    """Traces open inside one another (a script's own ``trace_runtime`` inside the one
+    ``megacompile inspect --plot`` records): every event goes to each of them."""
+
+    def __init__(self, recorders: tuple[TraceRecorder, ...]) -> None:
+        self.recorders = recorders
+
+    def add(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add(*args)
+
+    def add_instruction(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add_instruction(*args)
+
+    def add_program(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add_program(*args)
+
+    def add_cuda_copy(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add_cuda_copy(*args)
+
+
+_OPEN: list[TraceRecorder] = []  # the traces open now, outermost first
+
+
+def active() -> "TraceRecorder | _Fanout | None":
+    """What records events now, or None (the executor reads this once per run)."""
     return _ACTIVE
 
 
@@ -174,19 +201,20 @@ def active() -> TraceRecorder | None:
 def trace_runtime(path: str | os.PathLike) -> Iterator[TraceRecorder]:
     """Record the runtime's lanes while the block runs; write Chrome trace JSON to ``path`` on exit.
 
-    Traces do not nest: starting one while another is active raises ``RuntimeError``.
+    Traces nest: inside another trace's block, both record what runs (each file has its own
+    events, timed from its own start).
     """
     global _ACTIVE
     recorder = TraceRecorder(path)
     with _ACTIVE_LOCK:
-        if _ACTIVE is not None:
-            raise RuntimeError(f"a runtime trace is already being recorded (to {_ACTIVE.path})")
-        _ACTIVE = recorder
+        _OPEN.append(recorder)
+        _ACTIVE = recorder if len(_OPEN) == 1 else _Fanout(tuple(_OPEN))
     try:
         yield recorder
     finally:
         with _ACTIVE_LOCK:
-            _ACTIVE = None
+            _OPEN.remove(recorder)
+            _ACTIVE = None if not _OPEN else _OPEN[0] if len(_OPEN) == 1 else _Fanout(tuple(_OPEN))
         recorder.write()
 
 

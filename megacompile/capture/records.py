@@ -43,6 +43,9 @@ class CompiledGraph:
     # Inductor lowering: how many distinct segments were compiled and how many repeats reused
     # one (runtime.segment_cache.SegmentCacheStats).
     segment_stats: Any = None
+    # Under `megacompile inspect`, where the device measures: "forward" / "backward" -> the
+    # last run's (instruction name, device bytes live after it) (``StreamingProgram.memory_log``).
+    memory_logs: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_params(self) -> int:

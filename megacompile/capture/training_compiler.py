@@ -419,7 +419,10 @@ def lower_with(options: Options, device):
         # program that shares it may still read it (the overlapped optimizer updates a layer
         # mid-backward, and only a separate copy keeps the backward's reads from seeing it).
         share = device.shares_host_memory and not record.measures_peak and not options.overlaps_optimizer
-        return StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
-                                label=f"{record.label} {part}", check_inputs=check, share_host_memory=share)
+        program = StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
+                                   label=f"{record.label} {part}", check_inputs=check, share_host_memory=share)
+        if options.keeps_snapshots and record.measures_peak:  # inspect: the measured curve for --plot
+            program.memory_log = record.memory_logs.setdefault(part, [])
+        return program
 
     return lower

@@ -26,6 +26,7 @@ are initializers. Nothing here runs the model: the file is for reading and for t
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any
 
 import onnx
@@ -283,3 +284,28 @@ def program_to_onnx(gm: fx.GraphModule, title: str, metadata: dict[str, str] | N
     model = helper.make_model(graph, opset_imports=opsets, producer_name="megacompile")
     helper.set_model_props(model, dict(metadata or {}))
     return model
+
+
+def write_programs(records, directories: list[str], out: str) -> list[str]:
+    """Each record's rewritten forward and backward as ``OUT/<directory>/<program>.onnx``, checked
+    by ``onnx.checker`` (with shape inference); returns the paths written."""
+    written = []
+    for record, directory in zip(records, directories):
+        if record.plan is None:
+            continue  # a host graph: no rewritten program
+        for part in ("forward", "backward"):
+            gm = getattr(record, part)
+            if gm is None:
+                continue
+            options = record.options
+            metadata = {"graph": record.label, "program": part, "policy": str(record.plan.policy),
+                        "planned_peak_bytes": str(record.plan.peak_bytes),
+                        "memory_budget": str(options.memory_budget or ""), "device": str(options.device),
+                        "lowering": str(options.lowering)}
+            model = program_to_onnx(gm, f"{record.label} {part}", metadata)
+            onnx.checker.check_model(model, full_check=True)
+            path = os.path.join(out, directory, f"{part}.onnx")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            onnx.save_model(model, path)
+            written.append(path)
+    return written
