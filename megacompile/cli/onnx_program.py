@@ -193,9 +193,12 @@ def _custom(p: _Program, node: fx.Node) -> None:
     given = {a.name: v for a, v in zip(schema_args, node.args)}
     given.update(node.kwargs)
     for arg in schema_args:
-        if arg.name not in given:
+        if arg.name in given:
+            value = given[arg.name]
+        elif arg.has_default_value():  # spelled out, so the node says everything the op was called with
+            value = arg.default_value
+        else:
             continue
-        value = given[arg.name]
         if "Tensor" in str(arg.type):
             for i, v in enumerate(value if isinstance(value, (list, tuple)) else [value]):
                 inputs.append(p.name(v))

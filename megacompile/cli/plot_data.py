@@ -11,6 +11,7 @@ import os
 import re
 from typing import Any
 
+from megacompile.core import ops
 from megacompile.core.node_info import has_info, info
 from megacompile.plan.memory_estimate import allocation_granularity, estimate_program_pair
 
@@ -28,7 +29,8 @@ class MemoryTimeline:
     budget: int | None
     peak_index: int
     peak_bytes: int
-    layers: list[tuple[str, int, int]]  # runs of consecutive nodes of one layer: (layer, first, last index)
+    # Stretches of the program where one layer's compute runs: (layer, first, last index).
+    layers: list[tuple[str, int, int]]
     backward_start: int | None  # index of the backward's first node
 
     @property
@@ -62,6 +64,7 @@ def memory_timeline(record) -> MemoryTimeline:
         if gm is None:
             continue
         by_node = _measured_by_node(record.memory_logs.get(phase, []))
+        current = None
         graph_nodes = {n.name: n for n in gm.graph.nodes}
         for name, live in curve:
             node = graph_nodes[name]
@@ -69,7 +72,11 @@ def memory_timeline(record) -> MemoryTimeline:
             phases.append(phase)
             planned.append(live)
             measured.append(by_node.get(name))
-            layer_of.append(info(node).layer if has_info(node) else None)
+            # Shaded by the layer whose compute runs: a memory op (a load prefetched for the
+            # next layer, an evict of the last) belongs to the stretch it runs in.
+            if node.op == "call_function" and not ops.is_memory_op(node):
+                current = info(node).layer if has_info(node) else None
+            layer_of.append(current if node.op == "call_function" else None)
     layers: list[tuple[str, int, int]] = []
     for i, layer in enumerate(layer_of):
         if layers and layers[-1][0] == layer and layers[-1][2] == i - 1:

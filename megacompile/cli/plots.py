@@ -81,7 +81,18 @@ def plot_trace_lanes(lanes: list[Lane], path: str | os.PathLike, title: str = "r
     for row, lane in enumerate(lanes):
         colour = _LANE_COLOURS.get(lane.name.split(" [")[0], "#7f7f7f")
         bars = [((start - origin) / 1e3, max(duration / 1e3, 1e-4)) for start, duration, _ in lane.spans]
-        ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour, edgecolor="none")
+        # Program runs are separated by a white edge (a backward starts as its forward ends).
+        edge = dict(edgecolor="white", linewidth=1.5) if lane.name == "graphs" else dict(edgecolor="none")
+        ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour, **edge)
+    # The program runs are few and long: their names fit inside their bars.
+    span_ms = max((s[0] + s[1] - origin) / 1e3 for lane in lanes for s in lane.spans) or 1.0
+    for row, lane in enumerate(lanes):
+        if lane.name != "graphs":
+            continue
+        for start, duration, name in lane.spans:
+            if duration / 1e3 > 0.12 * span_ms:
+                ax.text((start - origin + duration / 2) / 1e3, row, name, ha="center", va="center", fontsize=8,
+                        color="white")
     ax.set_yticks(range(len(lanes)), [lane.name for lane in lanes], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
