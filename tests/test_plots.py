@@ -91,7 +91,8 @@ def test_memory_timeline_is_the_plan(plotted):
     assert [layer for layer, _, _ in timeline.layers] == ["0", "1", "2", "2", "1", "0"]
     for layer, first, last in timeline.layers:
         stretch = [by_name[name] for name in timeline.nodes[first:last + 1]]
-        assert all(info(n).layer == layer for n in stretch if n.op == "call_function" and not ops.is_memory_op(n))
+        computed = [n for n in stretch if n.op == "call_function" and not ops.is_memory_op(n)]
+        assert all(info(n).layer in (layer, None) for n in computed)  # glue runs inside a layer's stretch
         assert not ops.is_memory_op(stretch[0])
 
 

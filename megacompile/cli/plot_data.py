@@ -73,9 +73,10 @@ def memory_timeline(record) -> MemoryTimeline:
             planned.append(live)
             measured.append(by_node.get(name))
             # Shaded by the layer whose compute runs: a memory op (a load prefetched for the
-            # next layer, an evict of the last) belongs to the stretch it runs in.
-            if node.op == "call_function" and not ops.is_memory_op(node):
-                current = info(node).layer if has_info(node) else None
+            # next layer, an evict of the last) and a glue op (a gradient accumulation between
+            # two of a layer's ops) belong to the stretch they run in.
+            if node.op == "call_function" and not ops.is_memory_op(node) and has_info(node) and info(node).layer:
+                current = info(node).layer
             layer_of.append(current if node.op == "call_function" else None)
     layers: list[tuple[str, int, int]] = []
     for i, layer in enumerate(layer_of):

@@ -59,7 +59,7 @@ def plot_memory_timeline(timeline: MemoryTimeline, path: str | os.PathLike) -> s
     # Layer names along the bottom, where there is room for them.
     width = max(len(timeline.nodes), 1)
     for layer, first, last in timeline.layers:
-        if (last - first + 1) / width > 0.035:
+        if (last - first + 1) / width > 0.02:
             ax.text((first + last) / 2, 0, layer.split(".")[-1] if len(layer) > 12 else layer, fontsize=7,
                     ha="center", va="bottom", color="#333333", rotation=90 if (last - first + 1) / width < 0.06 else 0)
     ax.set_xlim(-0.5, width - 0.5)
@@ -76,16 +76,17 @@ def plot_trace_lanes(lanes: list[Lane], path: str | os.PathLike, title: str = "r
     if not any(lane.spans for lane in lanes):
         raise ValueError("the trace has no events to draw (was anything run inside trace_runtime?)")
     origin = min(s[0] for lane in lanes for s in lane.spans)
+    span_ms = max((s[0] + s[1] - origin) / 1e3 for lane in lanes for s in lane.spans) or 1.0
+    shortest = span_ms * 0.0015  # drawn at least about a pixel wide: a 1 ms update in a 10 s step stays visible
     fig = Figure(figsize=(11, 0.45 * len(lanes) + 1.4), layout="constrained")
     ax = fig.add_subplot()
     for row, lane in enumerate(lanes):
         colour = _LANE_COLOURS.get(lane.name.split(" [")[0], "#7f7f7f")
-        bars = [((start - origin) / 1e3, max(duration / 1e3, 1e-4)) for start, duration, _ in lane.spans]
+        bars = [((start - origin) / 1e3, max(duration / 1e3, shortest)) for start, duration, _ in lane.spans]
         # Program runs are separated by a white edge (a backward starts as its forward ends).
         edge = dict(edgecolor="white", linewidth=1.5) if lane.name == "graphs" else dict(edgecolor="none")
         ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colour, **edge)
     # The program runs are few and long: their names fit inside their bars.
-    span_ms = max((s[0] + s[1] - origin) / 1e3 for lane in lanes for s in lane.spans) or 1.0
     for row, lane in enumerate(lanes):
         if lane.name != "graphs":
             continue
