@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import compile_small_training_graph
 from onnx.reference import ReferenceEvaluator
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -154,6 +155,15 @@ def test_mapped_ops_compute_what_torch_computes():
     results = ReferenceEvaluator(model).run(None, {i.name: a.numpy() for i, a in zip(model.graph.input, args)})
     for got, expected in zip(results, _many_mapped_ops(*args)):
         np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_programs_pass_the_checker():
+    """Autocast's casts become Casts, the bf16 matmuls stay standard ONNX ops."""
+    record = compile_small_training_graph(precision="bf16")
+    for gm in (record.forward, record.backward):
+        model = program_to_onnx(gm, "bf16")
+        onnx.checker.check_model(model, full_check=True)
+        assert {"Cast", "Gemm" if gm is record.forward else "MatMul"} <= {n.op_type for n in model.graph.node}
 
 
 def test_onnx_needs_an_output_directory(tmp_path, capsys):

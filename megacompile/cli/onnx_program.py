@@ -1,27 +1,12 @@
 """A rewritten program as an ONNX model (``megacompile inspect SCRIPT --format onnx --out DIR``).
 
-The model is built node by node from the FX graph that runs, in its order, so what Netron shows
-is the program ``inspect`` prints:
-
-- megatrain's memory ops (``load``, ``offload``, ``wait``, ``evict``) are nodes of the custom
-  domain ``megatrain`` with the attributes ``tensor`` (the copy's name; for a wait or evict of
-  a computed value, that value's name), ``layer`` ("" for glue), ``bytes`` (of the tensor
-  moved, waited for or freed), ``placement``, ``created_by`` and, where the plan decided,
-  ``decision`` / ``reason``. ``wait`` and ``evict`` have no outputs: their place in the node
-  list is their meaning;
-- aten ops with an ONNX equivalent (``STANDARD``: matmuls, elementwise arithmetic, views
-  and reshapes, reductions, softmax, layer norm, ...) become standard ONNX ops (opset 20), a
-  few as two nodes (``rsqrt`` = Sqrt + Reciprocal);
-- every other aten op becomes a node of the custom domain ``aten`` whose type is the op's name
-  (``_scaled_dot_product_flash_attention_for_cpu``), its tensor arguments as inputs and the
-  rest as attributes named after the op schema's arguments; Python callables on sizes
-  (``operator.mul`` of SymInts) become nodes of the domain ``fx``.
-
-Every node carries ``metadata_props``: the FX node it comes from (``fx_node``), the FX target,
-and the node's layer, placement, phase and the pass that created it, so a node that maps to
-two ONNX nodes is still one FX node. Parameters and inputs are graph inputs (typed from the
-fake tensors, symbolic sizes as named dimensions, doc string the user's name); graph constants
-are initializers. Nothing here runs the model: the file is for reading and for tools.
+Built node by node from the FX graph that runs, in its order, so Netron shows the program
+``inspect`` prints: memory ops as nodes of the domain ``megatrain`` (attributes ``tensor``,
+``layer``, ``bytes``, ...; ``wait`` and ``evict`` have no outputs, their place is their
+meaning), aten ops as standard ONNX ops where ``onnx_ops.STANDARD`` maps them, every other op
+as a node of the domain ``aten`` named after it, its non-tensor arguments as attributes. Each
+node's ``metadata_props`` name its FX node, layer, placement, phase and creating pass. The
+mapping is described in docs/onnx_and_plots.md. Nothing here runs the model.
 """
 from __future__ import annotations
 
@@ -38,11 +23,13 @@ from megacompile.cli.onnx_ops import ONNX_DTYPES, STANDARD, onnx_dtype, value_of
 from megacompile.core import ops
 from megacompile.core import torch_compat as compat
 from megacompile.core.node_info import has_info, info, tensor_nbytes_hint
+from megacompile.core.printer import target_name
 
 OPSET = 20
 MEMORY_DOMAIN = "megatrain"
 ATEN_DOMAIN = "aten"
 PYTHON_DOMAIN = "fx"
+
 
 def _dim(size: Any) -> int | str:
     """A dimension: a number, or a symbolic size's expression (an ONNX named dimension)."""
@@ -66,18 +53,10 @@ def _tensor_proto(name: str, t: torch.Tensor) -> onnx.TensorProto:
     return helper.make_tensor(name, onnx_dtype(t.dtype), list(t.shape), raw, raw=True)
 
 
-def _target_name(target: Any) -> str:
-    if isinstance(target, compat.OpOverload):
-        name = target._schema.name.split("::")[-1]
-        return f"{target.namespace}.{name}" + ("" if target._overloadname == "default" else f".{target._overloadname}")
-    return getattr(target, "__name__", str(target))
-
-
 class _Program:
     """The ONNX graph being built from one FX graph."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
-        self.gm = gm
+    def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.value_info: list[onnx.ValueInfoProto] = []
@@ -110,7 +89,7 @@ class _Program:
         for key, value in attrs.items():
             node.attribute.append(_attribute(key, value))
         fx_node = self.current
-        props = {"fx_node": fx_node.name, "fx_target": _target_name(fx_node.target)}
+        props = {"fx_node": fx_node.name, "fx_target": target_name(fx_node)}
         if has_info(fx_node):
             ni = info(fx_node)
             props.update(layer=ni.layer or "", placement=str(ni.placement), phase=str(ni.phase),
@@ -201,8 +180,12 @@ def _custom(p: _Program, node: fx.Node) -> None:
             continue
         if "Tensor" in str(arg.type):
             for i, v in enumerate(value if isinstance(value, (list, tuple)) else [value]):
-                inputs.append(p.name(v))
-                input_names.append(arg.name if not isinstance(value, (list, tuple)) else f"{arg.name}[{i}]")
+                name = arg.name if not isinstance(value, (list, tuple)) else f"{arg.name}[{i}]"
+                if isinstance(v, (bool, int, float)):  # a Python number passed as a tensor: a constant
+                    inputs.append(p.const(name.replace("[", "_").rstrip("]"), v, torch.tensor(v).dtype))
+                else:
+                    inputs.append(p.name(v))  # "" (ONNX's missing optional input) for None
+                input_names.append(name)
         elif value is not None:
             items = value if isinstance(value, (list, tuple)) else [value]
             for v in (v for v in items if isinstance(v, fx.Node)):  # a symbolic size: its value is an input too
@@ -246,7 +229,7 @@ def _named_values(node: fx.Node) -> list[tuple[str, Any]]:
 
 def program_to_onnx(gm: fx.GraphModule, title: str, metadata: dict[str, str] | None = None) -> onnx.ModelProto:
     """The FX program ``gm`` as an ONNX model (see the module docstring for the mapping)."""
-    p = _Program(gm)
+    p = _Program()
     inputs: list[onnx.ValueInfoProto] = []
     outputs: list[onnx.ValueInfoProto] = []
     output_doc: list[str] = []
