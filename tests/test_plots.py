@@ -49,14 +49,16 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def plotted(tmp_path_factory):
-    """(training graph's record, output directory, the step report) of one `inspect --plot` run."""
+    """(training graph's record, output directory, the step report) of one `inspect --plot` run.
+    (Graph labels count per process: the training graph is graph0 only in a fresh one.)"""
     root = tmp_path_factory.mktemp("plots")
     script = root / "train_mlp.py"
     script.write_text(SCRIPT)
     out = root / "out"
     with recording() as records:
         assert cli.main(["inspect", "--plot", "--out", str(out), str(script)]) == 0
-    return next(r for r in records if r.backward is not None), out, last_report()
+    index = next(i for i, r in enumerate(records) if r.backward is not None)
+    return records[index], out / cli._directory_names(records)[index], last_report()
 
 
 def _assert_png(path, min_bytes=8000):
@@ -67,10 +69,10 @@ def _assert_png(path, min_bytes=8000):
 
 
 def test_pngs_are_written(plotted):
-    _, out, _ = plotted
-    _assert_png(out / "graph0" / "memory.png")
-    _assert_png(out / "runtime-lanes.png")
-    assert (out / "runtime-trace.json").exists()
+    _, graph_dir, _ = plotted
+    _assert_png(graph_dir / "memory.png")
+    _assert_png(graph_dir.parent / "runtime-lanes.png")
+    assert (graph_dir.parent / "runtime-trace.json").exists()
 
 
 def test_memory_timeline_is_the_plan(plotted):
@@ -112,8 +114,8 @@ def test_memory_log_is_kept_only_under_inspect():
 
 
 def test_lanes_are_the_trace(plotted):
-    _, out, _ = plotted
-    trace = read_trace(out / "runtime-trace.json")
+    record, graph_dir, _ = plotted
+    trace = read_trace(graph_dir.parent / "runtime-trace.json")
     track_names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     lanes = trace_lanes(trace)
     assert {"compute", "h2d", "d2h", "host optimizer"} <= {lane.name for lane in lanes}
@@ -123,7 +125,8 @@ def test_lanes_are_the_trace(plotted):
         assert lane.spans == events
     # The last step: from its forward program's start (three steps ran), every later event.
     start, end = last_step_window(trace)
-    forwards = sorted(e["ts"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "graph0 forward")
+    forward = f"{record.label} forward"
+    forwards = sorted(e["ts"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == forward)
     assert len(forwards) == 3 and start == forwards[-1]
     last = trace_lanes(trace, (start, end))
     assert sum(len(lane.spans) for lane in last) == sum(
@@ -131,9 +134,9 @@ def test_lanes_are_the_trace(plotted):
 
 
 def test_plot_command(plotted, tmp_path, capsys):
-    _, out, _ = plotted
+    _, graph_dir, _ = plotted
     png = tmp_path / "lanes.png"
-    assert cli.main(["plot", str(out / "runtime-trace.json"), "--out", str(png), "--last-step"]) == 0
+    assert cli.main(["plot", str(graph_dir.parent / "runtime-trace.json"), "--out", str(png), "--last-step"]) == 0
     _assert_png(png)
     assert f"wrote {png}" in capsys.readouterr().out
 
