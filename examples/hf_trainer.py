@@ -4,12 +4,14 @@ The Trainer runs its usual loop (data loading, loss scaling for gradient accumul
 `loss.backward()`, gradient clipping, `optimizer.step()`, the LR scheduler); megatrain compiles
 the model's forward and loss (`model.compile(backend="megatrain")`), so its backward streams
 through the device too, while the parameters, their gradients and the AdamW state stay in host
-memory. Two things keep the model on the host, both through documented settings:
-`TrainingArguments.place_model_on_device` (overridden in a subclass, as the Trainer's docs
-say) and accelerate's `Accelerator.device_placement`, turned off for the model the Trainer
-prepares. The Trainer's AdamW step runs on the host as megatrain's fused kernel (megatrain
-finds the optimizer when the model's graph compiles); gradient clipping reads the host
-gradients.
+memory. From the Trainer's side everything is on the host: it is built with
+`TrainingArguments(use_cpu=True)`, so it neither moves the model (nor does accelerate) nor the
+batches, and the loss comes back to the host; megatrain's own `device` option is where the
+step computes (`"cuda"`, or `"cpu"` for the CPU stand-in). The Trainer's AdamW step runs as
+megatrain's fused host kernel (megatrain finds the optimizer behind accelerate's wrapper when
+the model's graph compiles); gradient clipping and accumulation work on the host gradients.
+Leave `TrainingArguments.torch_compile` off: accelerate's dynamo plugin accepts only the
+backends it lists, and it could not pass megatrain's options.
 
     python examples/hf_trainer.py                          # a small Llama on Hamlet, megatrain
     python examples/hf_trainer.py --device cpu             # the CPU stand-in device
@@ -34,28 +36,21 @@ from transformers import Trainer, TrainingArguments
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hamlet.txt")
 
 
-class HostModelTrainingArguments(TrainingArguments):
-    """`TrainingArguments` whose Trainer leaves the model where it is (the host): megatrain
-    streams the parameters to the device itself."""
-
-    @property
-    def place_model_on_device(self) -> bool:
-        return False
-
-
 class MegatrainTrainer(Trainer):
-    """A `Trainer` over a model compiled with the megatrain backend, kept in host memory.
+    """A `Trainer` over a model compiled with the megatrain backend and kept in host memory.
 
-    ``megatrain_options`` are the backend's options (``device``, ``memory_budget``,
-    ``lowering``, ...; see the README). ``args`` must be a `HostModelTrainingArguments`.
+    ``args`` must keep the Trainer on the host (``TrainingArguments(use_cpu=True)``);
+    ``megatrain_options`` are the backend's options (``device``: default ``"cuda"`` where
+    available; ``memory_budget``, ``lowering``, ...: see the README).
     """
 
     def __init__(self, model: torch.nn.Module, args: TrainingArguments, megatrain_options: dict | None = None,
                  **kwargs) -> None:
-        if not isinstance(args, HostModelTrainingArguments):
-            raise TypeError("MegatrainTrainer needs HostModelTrainingArguments (TrainingArguments that keep the "
-                            f"model in host memory), got {type(args).__name__}: build the arguments with "
-                            "HostModelTrainingArguments(...) instead")
+        if args.device.type != "cpu":
+            raise ValueError(f"the Trainer would move the model and the batches to {args.device}; megatrain keeps the "
+                             f"model in host memory and streams it to its own device: build the arguments with "
+                             f"TrainingArguments(..., use_cpu=True) and pass megatrain_options={{'device': "
+                             f"'{args.device.type}'}}")
         if args.torch_compile:
             raise ValueError("leave TrainingArguments.torch_compile off: MegatrainTrainer compiles the model with "
                              "the megatrain backend itself (accelerate's dynamo plugin knows no such backend)")
@@ -64,18 +59,9 @@ class MegatrainTrainer(Trainer):
                 raise ValueError(f"parameter {name!r} is on {p.device}; megatrain keeps the model in host memory "
                                  f"and streams it to the device itself: do not move the model (remove model.to(...))")
         options = dict(megatrain_options or {})
-        options.setdefault("device", args.device.type)
-        if torch.device(options["device"]).type != args.device.type:
-            raise ValueError(f"megatrain computes on {options['device']!r} but the Trainer puts batches on "
-                             f"{args.device}: pass the same device to both (TrainingArguments(use_cpu=True) for 'cpu')")
+        options.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         model.compile(backend="megatrain", options=options)
         super().__init__(model=model, args=args, **kwargs)
-
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
-        # accelerate's prepare() would move the model to the Trainer's device; batches still
-        # move there in Trainer._prepare_inputs.
-        self.accelerator.device_placement = False
 
 
 # --- the command-line example -----------------------------------------------------------
@@ -162,20 +148,22 @@ def build_model_and_data(args):
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         ids = tokenizer(text)["input_ids"]
-        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(args.model).float()  # fp32 training state
         model.config.use_cache = False
     count = args.steps * args.batch * args.grad_accum
     return model, TokenWindows(ids, args.seq_len, count, args.seed)
 
 
-def training_arguments(args, cls=TrainingArguments) -> TrainingArguments:
+def training_arguments(args, megatrain: bool) -> TrainingArguments:
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="hf_trainer_")
-    return cls(
+    return TrainingArguments(
         output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm, weight_decay=0.0, lr_scheduler_type="linear",
-        use_cpu=args.device == "cpu", seed=args.seed, logging_steps=max(1, args.steps // 10), save_strategy="no",
-        report_to=[], dataloader_num_workers=0, disable_tqdm=False)
+        # megatrain: the Trainer's tensors stay on the host; plain: the Trainer computes on --device.
+        use_cpu=megatrain or args.device == "cpu",
+        seed=args.seed, logging_steps=max(1, args.steps // 10), save_strategy="no", report_to=[],
+        dataloader_num_workers=0)
 
 
 def main(argv=None):
@@ -192,10 +180,9 @@ def main(argv=None):
         if args.budget is not None:
             options["memory_budget"] = args.budget
         print(f"megatrain: {options}; the first step compiles (TORCH_LOGS=megatrain shows the plan)", flush=True)
-        trainer = MegatrainTrainer(model, training_arguments(args, HostModelTrainingArguments), options,
-                                   train_dataset=dataset)
+        trainer = MegatrainTrainer(model, training_arguments(args, megatrain=True), options, train_dataset=dataset)
     else:
-        trainer = Trainer(model=model, args=training_arguments(args), train_dataset=dataset)
+        trainer = Trainer(model=model, args=training_arguments(args, megatrain=False), train_dataset=dataset)
     result = trainer.train()
     print(f"trained {result.global_step} steps, mean loss {result.training_loss:.4f}")
     if args.backend == "megatrain":

@@ -59,8 +59,7 @@ def _recording(trainer_class):
 
 
 def _train(model, megatrain: bool, tmp_path):
-    args_class = hf_trainer.HostModelTrainingArguments if megatrain else transformers.TrainingArguments
-    args = args_class(
+    args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUM, learning_rate=1e-2, warmup_steps=1, lr_scheduler_type="linear",
         max_grad_norm=0.5, optim="adamw_torch", weight_decay=0.01, use_cpu=True, seed=0,
@@ -102,8 +101,11 @@ def test_trainer_through_megatrain_matches_plain_trainer(tmp_path):
     assert report.host_bytes["optimizer_states"] == 2 * param_bytes + 4 * len(list(model.parameters()))
 
 
-def test_megatrain_trainer_refuses_arguments_that_move_the_model(tmp_path):
+def test_megatrain_trainer_refuses_what_would_put_the_model_elsewhere(tmp_path):
     model = _tiny_llama()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    with pytest.raises(TypeError, match="HostModelTrainingArguments"):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], torch_compile=True)
+    with pytest.raises(ValueError, match="leave TrainingArguments.torch_compile off"):
         hf_trainer.MegatrainTrainer(model, args, {"device": "cpu"})
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="keeps the model in host memory"):
+        hf_trainer.MegatrainTrainer(model.to("meta"), args, {"device": "cpu"})
