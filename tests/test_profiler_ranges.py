@@ -64,23 +64,16 @@ def test_profiler_shows_megatrain_lanes_like_its_own_trace(tmp_path, overlap):
     lanes = {lane for lane, _ in ours}
     assert {"graphs", "compute", "h2d", "d2h", "wait", "evict", "host optimizer"} <= lanes
 
-    # In the same order on each thread, and never longer than megatrain timed the same work
-    # (megatrain's clock starts before the range opens and stops after it closes).
-    def by_thread(items, thread_of, start_of):
-        groups = collections.defaultdict(list)
-        for item in items:
-            groups[thread_of(item)].append(item)
-        return [sorted(g, key=start_of) for g in groups.values()]
-
+    # In the same order on each lane, and never longer than megatrain timed the same work
+    # (the range opens after megatrain's clock starts and closes before it stops).
     def lane_of(name):
         return name[len(PREFIX):].split(":")[0]
 
     ours_named = [(profiler_ranges.range_name(lane, e["name"]), e) for lane, e in ours]
-    for mine in by_thread(ours_named, lambda x: (x[0].split(":")[0], x[1]["tid"]), lambda x: x[1]["ts"]):
-        lane = lane_of(mine[0][0])
-        theirs = [e for e in ranges if lane_of(e.name) == lane]
-        if lane != "host optimizer":  # megatrain's own track per lane; the profiler's per thread
-            assert [e.name for e in sorted(theirs, key=lambda e: e.time_range.start)] == [n for n, _ in mine]
+    for lane in lanes:
+        mine = sorted((e["ts"], name) for name, e in ours_named if lane_of(name) == lane)
+        theirs = sorted((e.time_range.start, e.name) for e in ranges if lane_of(e.name) == lane)
+        assert [name for _, name in theirs] == [name for _, name in mine], lane
     by_name = collections.defaultdict(list)
     for name, e in ours_named:
         by_name[name].append(e["dur"])
