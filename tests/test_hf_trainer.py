@@ -109,3 +109,12 @@ def test_megatrain_trainer_refuses_what_would_put_the_model_elsewhere(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="keeps the model in host memory"):
         hf_trainer.MegatrainTrainer(model.to("meta"), args, {"device": "cpu"})
+
+
+def test_example_command_line_trains_on_the_cpu_stand_in(tmp_path, capsys):
+    hf_trainer.main(["--device", "cpu", "--steps", "2", "--layers", "1", "--hidden", "32", "--seq-len", "16",
+                     "--batch", "2", "--grad-accum", "2", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "trained 2 steps" in out
+    report = megacompile.last_report()
+    assert report.device == "cpu" and report.graphs and report.host_graphs == ["optimizer (host, fused AdamW)"]
