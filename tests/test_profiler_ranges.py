@@ -130,3 +130,33 @@ def test_no_range_is_entered_without_a_profiler(tmp_path, monkeypatch):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         step(*batches[1])
     assert entered and all(name.startswith(PREFIX) for name in entered)
+
+
+def test_nvtx_ranges_pair_up_on_each_thread_where_cuda_is_in_use(monkeypatch):
+    """Where CUDA is initialised each range is also pushed to NVTX and popped on the same
+    thread (Nsight pairs them per thread). Stood in here by recording the NVTX calls: this
+    machine's torch has no CUDA."""
+    import threading
+
+    from megacompile.runtime import trace
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda msg: calls.append(("push", msg, threading.get_ident())))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop", None, threading.get_ident())))
+
+    def update():
+        with trace.span("host optimizer", "adam[layers.0]"):
+            pass
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with trace.span("graphs", "graph0 backward"):
+            worker = threading.Thread(target=update)
+            worker.start()
+            worker.join()
+    with trace.span("graphs", "not profiled"):
+        pass
+    main, other = threading.get_ident(), worker.ident
+    assert calls == [("push", PREFIX + "graphs: graph0 backward", main),
+                     ("push", PREFIX + "host optimizer: adam[layers.0]", other), ("pop", None, other),
+                     ("pop", None, main)]
