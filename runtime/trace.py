@@ -22,10 +22,10 @@ one track (``tid``) per lane:
 
 ``span(lane, name, **args)`` records any other piece of work, from any thread; work on a
 lane from a second thread gets its own track (``"host optimizer [worker-1]"``), so events
-on one track never overlap. With no trace active ``span`` and the executor's checks cost one
-global read. While a ``torch.profiler`` records, the same spans are also its
-``record_function`` ranges (``runtime/profiler_ranges.py``), so this Chrome trace is for
-machines without CUPTI or a profiler.
+on one track never overlap. While a ``torch.profiler`` records, the same spans are also its
+``record_function`` ranges (``runtime/profiler_ranges.py``); this Chrome trace is for
+machines without CUPTI or a profiler. With neither active, ``span`` and the executor's
+checks cost a global read and an attribute read.
 
 ``evict`` (a device copy's release point) and ``host`` (host graphs that are not the
 optimizer) are lanes too.
