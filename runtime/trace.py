@@ -22,8 +22,10 @@ one track (``tid``) per lane:
 
 ``span(lane, name, **args)`` records any other piece of work, from any thread; work on a
 lane from a second thread gets its own track (``"host optimizer [worker-1]"``), so events
-on one track never overlap. With no trace active ``span`` and the executor's checks cost one
-global read.
+on one track never overlap. While a ``torch.profiler`` records, the same spans are also its
+``record_function`` ranges (``runtime/profiler_ranges.py``); this Chrome trace is for
+machines without CUPTI or a profiler. With neither active, ``span`` and the executor's
+checks cost a global read and an attribute read.
 
 ``evict`` (a device copy's release point) and ``host`` (host graphs that are not the
 optimizer) are lanes too.
@@ -39,6 +41,8 @@ import time
 from typing import Any, Iterator
 
 import torch
+
+from megacompile.runtime import profiler_ranges
 
 # The active recorder, or None. Read without a lock: a reference read is atomic, and a
 # recorder that ends while a span is open still accepts the event (it is simply not written).
@@ -232,25 +236,30 @@ _NULL_SPAN = _NullSpan()
 
 
 class _Span:
-    __slots__ = ("recorder", "lane", "name", "args", "start")
+    __slots__ = ("recorder", "lane", "name", "args", "start", "range")
 
-    def __init__(self, recorder: TraceRecorder, lane: str, name: str, args: dict) -> None:
+    def __init__(self, recorder: TraceRecorder | None, lane: str, name: str, args: dict) -> None:
         self.recorder, self.lane, self.name, self.args = recorder, lane, name, args
 
     def __enter__(self) -> None:
         self.start = time.perf_counter_ns()
+        self.range = profiler_ranges.ProfilerRange(self.lane, self.name) if profiler_ranges.profiling() else None
 
     def __exit__(self, *exc: Any) -> None:
-        self.recorder.add(self.lane, self.name, self.start, time.perf_counter_ns(), self.args)
+        if self.range is not None:
+            self.range.close()
+        if self.recorder is not None:
+            self.recorder.add(self.lane, self.name, self.start, time.perf_counter_ns(), self.args)
 
 
 def span(lane: str, name: str, **args: Any):
-    """A context manager recording ``name`` on ``lane`` while a trace is active (any thread).
+    """A context manager recording ``name`` on ``lane`` while a trace is active (any thread),
+    and opening a ``torch.profiler`` range while a profiler records (``profiler_ranges``).
 
-    ``args`` appear in the event's details (layer, bytes, ...). With no active trace it
+    ``args`` appear in the event's details (layer, bytes, ...). With neither active it
     returns a shared no-op context manager.
     """
     recorder = _ACTIVE
-    if recorder is None:
+    if recorder is None and not profiler_ranges.profiling():
         return _NULL_SPAN
     return _Span(recorder, lane, name, args)
