@@ -153,11 +153,13 @@ class StepRecorder:
                              "host_graphs": [], "optimizer": None, "overlap": None}
             self._update()
 
-    def graph_finished(self, compiled=None, backward: bool = False) -> None:
+    def graph_finished(self, compiled=None, backward: bool = False, failed: bool = False) -> None:
+        """``compiled``'s forward or backward returned; ``failed``: it raised, and a forward
+        that raised leaves nothing on the device for a backward that will not come."""
         with self._lock:
             cur = self._current
             if cur is not None:
-                if backward and compiled in cur["awaiting_backward"]:
+                if (backward or failed) and compiled in cur["awaiting_backward"]:
                     cur["awaiting_backward"].remove(compiled)
                 self._update()
 

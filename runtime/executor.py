@@ -360,7 +360,7 @@ class StreamingProgram:
         lowering: str,
         compile_segment: Callable[[fx.GraphModule, list], Callable] | None = None,
         on_start: Callable[[], None] | None = None,
-        on_finish: Callable[[], None] | None = None,
+        on_finish: Callable[[bool], None] | None = None,  # called with whether the run raised
         observe_inputs: Callable[[list], None] | None = None,
         make_sink: Callable[[], GradientSink | None] | None = None,
         label: str = "program",
@@ -486,7 +486,7 @@ class StreamingProgram:
             if program_range is not None:
                 program_range.close()
             if self.on_finish is not None:
-                self.on_finish()
+                self.on_finish(failed)
 
     def _run(self, args: list, sink: GradientSink, recorder, profiled: bool) -> Any:
         env: list = [None] * self.num_slots

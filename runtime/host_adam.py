@@ -174,6 +174,7 @@ def _build(baseline_only: bool, verbose: bool) -> Path:
     if first:
         print(f"megatrain: building the host AdamW kernel (first use; cached in {directory.parent})...",
               file=sys.stderr, flush=True)
+    _remove_stale_lock(directory / "lock")
     started = time.perf_counter()
     load(
         name=name,
@@ -189,6 +190,23 @@ def _build(baseline_only: bool, verbose: bool) -> Path:
         print(f"megatrain: host AdamW kernel built in {time.perf_counter() - started:.0f} s", file=sys.stderr,
               flush=True)
     return library
+
+
+# A build that was killed (Ctrl-C twice, a timeout, the OOM killer) leaves torch's lock file
+# behind, and every later process waits on it forever without a word. No build of this
+# kernel holds it for anywhere near this long.
+STALE_LOCK_SECONDS = 600
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock: the usual case
+    if age > STALE_LOCK_SECONDS:
+        print(f"megatrain: removing a stale build lock left by a killed build {age / 60:.0f} min ago ({lock})",
+              file=sys.stderr, flush=True)
+        lock.unlink(missing_ok=True)
 
 
 def load_extension(verbose: bool = False):

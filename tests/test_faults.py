@@ -13,6 +13,7 @@ import torch
 from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes
 
 import megacompile
+from megacompile.report import RECORDER
 from megacompile.runtime.device import get_device
 
 
@@ -130,3 +131,6 @@ def test_a_host_that_cannot_hold_the_bf16_weight_copies_gets_an_error_before_all
     assert info.value.available_bytes == 16 and info.value.needed_bytes > 16
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not any(opt.state[p] for p in model.parameters())
+    # The forward that raised holds nothing for a backward: the next graph compiled in this
+    # process is not planned on top of it.
+    assert RECORDER.device_bytes_held(get_device("cpu")) == (0, [])

@@ -643,3 +643,23 @@ def test_without_a_compiler_the_stock_optimizer_runs_with_a_warning(tmp_path):
     assert "no C++ compiler: '/nonexistent/c++' is not on PATH" in out.stderr
     assert "the optimizer's own step runs instead" in out.stderr
     assert not any(tmp_path.glob("*/*.so"))
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    """A killed build leaves torch's lock behind and every later build would wait on it
+    forever: one older than any build is removed (with a line saying so), a fresh one is not."""
+    import os
+    import time
+
+    from megacompile.runtime import host_adam
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    host_adam._remove_stale_lock(lock)
+    assert lock.exists()  # a build may be running
+    old = time.time() - host_adam.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    host_adam._remove_stale_lock(lock)
+    assert not lock.exists()
+    assert "stale build lock" in capsys.readouterr().err
+    host_adam._remove_stale_lock(lock)  # none: nothing to do

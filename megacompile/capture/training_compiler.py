@@ -275,10 +275,10 @@ class TrainingCompiler:
         program.make_sink = self._make_lander
         finished = program.on_finish
 
-        def on_finish() -> None:
+        def on_finish(failed: bool) -> None:
             self.eager_watch.backward_finished(self.param_inputs.tensors())
             if finished is not None:
-                finished()
+                finished(failed)
 
         program.on_finish = on_finish
         return program
@@ -412,7 +412,8 @@ def lower_with(options: Options, device):
         record.segment_stats = compile_segment.stats
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
         ends_step_part = start_step or record.plan.policy != "inference"
-        on_finish = (lambda: RECORDER.graph_finished(record, backward=part == "backward")) if ends_step_part else None
+        on_finish = ((lambda failed: RECORDER.graph_finished(record, backward=part == "backward", failed=failed))
+                     if ends_step_part else None)
         check = size_check(record, options.memory_budget) if part == "forward" else None
         # The stand-in's copies exist to be measured: where nothing is measured (the Inductor
         # lowering) they would only cost time, as long as no parameter is updated while a
