@@ -50,6 +50,7 @@ from megacompile.plan.memory_estimate import (
 from megacompile.plan.template_planner import DEPTHS, MIN_LAYERS, Template
 from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 from megacompile.report import RECORDER
+from megacompile.runtime.data_parallel import DataParallelStats, GradientReducer, ReducingSink, group_of
 from megacompile.runtime.executor import StreamingProgram
 from megacompile.runtime.segment_cache import SegmentCache
 
@@ -284,20 +285,37 @@ class TrainingCompiler:
         return program
 
     def _make_lander(self):
-        """Per backward call: a lander if the optimizer step can overlap it, else None."""
-        if not self.options.overlaps_optimizer:
-            why = ("overlap_optimizer=False" if self.options.overlap_optimizer is False
-                   else "overlap_optimizer='auto' is off on the CPU stand-in (its device lane computes on the host "
-                        "cores the updates would use)")
-            RECORDER.overlap_decided(overlap.OverlapStats(False, why))
-            return None
+        """Per backward call, the sink for its gradients: the overlapped optimizer's lander
+        if the step can overlap it; else, for a data-parallel model, the sink that averages
+        gradients across ranks; else None (the program returns every gradient)."""
         params = self.param_inputs.tensors()
+        group = group_of(params.values())
+        syncing = group is not None and group.sync
+        if group is not None:
+            RECORDER.data_parallel_decided(None if syncing else DataParallelStats(group.world_size, group.rank, False))
+
+        def without_overlap(why: str):
+            RECORDER.overlap_decided(overlap.OverlapStats(False, why))
+            if not syncing:
+                return None
+            sink = ReducingSink(params, group)
+            RECORDER.data_parallel_decided(sink.stats)
+            return sink
+
+        if not self.options.overlaps_optimizer:
+            return without_overlap("overlap_optimizer=False" if self.options.overlap_optimizer is False
+                                   else "overlap_optimizer='auto' is off on the CPU stand-in (its device lane "
+                                        "computes on the host cores the updates would use)")
+        if group is not None and not syncing:
+            return without_overlap("inside megacompile.no_sync(): gradients accumulate locally")
         opt, reason = overlap.step_follows_backward(params)
         if opt is None:
-            RECORDER.overlap_decided(overlap.OverlapStats(False, reason))
-            return None
-        lander = overlap.GradientLander(opt, params, self.device, reason)
+            return without_overlap(reason)
+        reducer = GradientReducer(group) if syncing else None
+        lander = overlap.GradientLander(opt, params, self.device, reason, reducer=reducer)
         RECORDER.overlap_decided(lander.stats)
+        if reducer is not None:
+            RECORDER.data_parallel_decided(reducer.stats)
         RECORDER.optimizer_seen(opt)
         return lander
 

@@ -48,6 +48,7 @@ from megacompile.core import torch_compat as compat
 from megacompile.optimizer.host_step import has_host_step, kernel_available
 from megacompile.optimizer.ownership import fused_kernel_runs
 from megacompile.runtime import trace
+from megacompile.runtime.data_parallel import GradientReducer
 from megacompile.runtime.gradient_sink import GradientSink
 from megacompile.runtime.host_adam import fused_adam_step
 
@@ -335,8 +336,12 @@ class GradientLander(GradientSink):
     returned as by the default sink.
     """
 
-    def __init__(self, opt: torch.optim.Optimizer, params: dict[int, torch.Tensor], device, reason: str) -> None:
+    def __init__(self, opt: torch.optim.Optimizer, params: dict[int, torch.Tensor], device, reason: str,
+                 reducer: GradientReducer | None = None) -> None:
         self.opt = opt
+        # Data parallel: each layer's gradients are averaged across the ranks (an async
+        # all-reduce issued as the layer is submitted) before its update uses them.
+        self.reducer = reducer
         self.device = device
         self.stats = OverlapStats(True, reason)
         self._group_of = {}
@@ -388,16 +393,25 @@ class GradientLander(GradientSink):
                          decoupled=bool(group.get("decoupled_weight_decay", isinstance(self.opt, torch.optim.AdamW))),
                          maximize=bool(group.get("maximize", False)))
             work.append((items, hyper))
-        self._futures.append(_pool().submit(self._update, work, layer))
+        bucket = None
+        if self.reducer is not None:
+            # Issued now, in the order layers land (the same on every rank); the bucket adds
+            # what earlier micro-batches accumulated, as the update below would.
+            bucket = self.reducer.submit(layer, [(p, g, ready) for items, _ in work for p, g, ready, _ in items])
+        self._futures.append(_pool().submit(self._update, work, layer, bucket))
 
-    def _update(self, work, layer) -> None:
+    def _update(self, work, layer, bucket=None) -> None:
         start = time.perf_counter()
         nbytes = 0
         n = sum(len(items) for items, _ in work)
+        averaged = iter(self.reducer.result(bucket)) if bucket is not None else None
         with trace.span("host optimizer", f"adam[{layer}]", layer=layer, tensors=n, overlapped=True):
             for items, hyper in work:
                 grads = []
                 for _, g, ready, prior in items:
+                    if averaged is not None:
+                        grads.append(next(averaged))  # landed, accumulated and averaged already
+                        continue
                     if ready is not None:
                         ready()  # CUDA: the gradient's copy to the host has finished
                     grads.append(g if prior is None else prior + g)
