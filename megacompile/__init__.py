@@ -11,6 +11,7 @@ from __future__ import annotations
 from megacompile.backend import megatrain
 from megacompile.capture.records import compiled_graphs
 from megacompile.capture.repeated_layers import mark_repeated_layers, unmark_repeated_layers
+from megacompile.checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from megacompile.core import ops  # noqa: F401  (registers the megatrain op library)
 from megacompile.core.errors import (
     BudgetError,
@@ -30,6 +31,7 @@ from megacompile.runtime.trace import trace_runtime
 
 __all__ = [
     "BudgetError", "DataParallelError", "MegacompileError", "data_parallel", "no_sync",
+    "load_optimizer_state_dict", "optimizer_state_dict",
     "compiled_graphs", "forget_weight_copies", "Options", "OptionsError",
     "HostMemoryError", "PartialUpdateError",
     "PlacementError", "StepReport", "last_report", "mark_repeated_layers", "megatrain", "parse_options",

@@ -41,7 +41,6 @@ class DataParallelStats:
     reduced_bytes: int = 0
     exposed_seconds: float = 0.0  # the backward's wait for reductions still running at its end
     sharded_optimizer: bool = False
-    optimizer_state_bytes: int = 0  # this rank's Adam moments (sharded: its shard only)
 
 
 class DataParallelGroup:
@@ -74,6 +73,22 @@ class DataParallelGroup:
     def global_rank(self, group_rank: int, group) -> int:
         return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
+    def agree(self, flag: bool, what: str) -> bool:
+        """Whether ``flag`` holds on every rank (one tiny all-reduce, on the thread that issues
+        the gradients' all-reduces, so it pairs up with the same collective everywhere)."""
+        def launch():
+            value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            work = dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.reduce_group, async_op=True)
+            self.wait(work, what)
+            return bool(value.item())
+
+        try:
+            return collective_thread("allreduce").submit(launch).result()
+        except DataParallelError:
+            raise
+        except Exception as e:
+            raise collective_failed(what, self, e) from e
+
     def wait(self, work, what: str) -> None:
         try:
             if self.timeout is None:
@@ -88,8 +103,8 @@ def collective_failed(what: str, group: DataParallelGroup, error: BaseException)
     return DataParallelError(
         f"megatrain data parallel: {what} failed on rank {group.rank} of {group.world_size} "
         f"({type(error).__name__}: {str(error).strip()[:300]}). Another rank most likely exited, failed, or "
-        f"ran a different step (every rank must run the same steps with the same shapes); the parameters "
-        f"on this rank are no longer in sync with the others: restart from a checkpoint.")
+        f"ran a different step (every rank must run the same steps with the same shapes). This rank "
+        f"cannot go on in step with the others: restart the job, from a checkpoint.")
 
 
 # id(param) -> (weak reference, group): which parameters are data parallel, and over what.
@@ -252,3 +267,35 @@ class ReducingSink(GradientSink):
             self.stats.exposed_seconds = time.perf_counter() - start
             self._buckets = []
         self.group.last_stats = self.stats
+
+
+def share_updated(group: DataParallelGroup, params: list[torch.Tensor],
+                  before_write: Callable[[], None] | None = None) -> None:
+    """With a sharded optimizer, after the owners updated ``params`` (the same list, in the
+    same order, on every rank): each owner's updated parameters, broadcast to the other ranks
+    as one buffer. ``before_write``: called before a received value overwrites a parameter
+    (no load may still read it)."""
+    by_owner: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        by_owner.setdefault((group.owner_of(p), p.dtype), []).append(p)
+    for (owner, dtype), ps in sorted(by_owner.items(), key=lambda item: (item[0][0], str(item[0][1]))):
+        if owner == group.rank:
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
+        else:
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype)
+        what = f"the broadcast of rank {owner}'s updated parameters"
+        try:
+            work = dist.broadcast(flat, src=dist.get_global_rank(group.broadcast_group, owner),
+                                  group=group.broadcast_group, async_op=True)
+        except Exception as e:
+            raise collective_failed(what, group, e) from e
+        group.wait(work, what)
+        if owner == group.rank:
+            continue
+        if before_write is not None:
+            before_write()
+        offset = 0
+        with torch.no_grad():
+            for p in ps:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))  # bumps the version: bf16 copies recast
+                offset += p.numel()

@@ -6,7 +6,7 @@ The stages, lowest first (docs/architecture.md, "Where things live"):
     passes, runtime, report   each imports only the core
     plan                      + passes, runtime
     options, optimizer,       + plan (options), + runtime and report (optimizer),
-    distributed               + runtime (distributed)
+    distributed, checkpoint   + runtime (data parallel setup; its optimizer state for DCP)
     capture                   everything above
     backend                   everything above
     the package's __init__    the public API, from everything above
@@ -37,6 +37,7 @@ STAGES = {
     "megacompile.options": 3,
     "megacompile.optimizer": 3,
     "megacompile.distributed": 3,
+    "megacompile.checkpoint": 3,
     "megacompile.capture": 4,
     "megacompile.backend": 5,
     "megacompile": 6,  # the package's own __init__: the public API

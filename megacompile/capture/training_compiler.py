@@ -309,6 +309,11 @@ class TrainingCompiler:
         if group is not None and not syncing:
             return without_overlap("inside megacompile.no_sync(): gradients accumulate locally")
         opt, reason = overlap.step_follows_backward(params)
+        if group is not None and group.shards_optimizer:
+            # Overlapped or not, the ranks share updated parameters differently (per layer from
+            # the lander, per owner after step()): they must all take the same path.
+            if not group.agree(opt is not None, "the ranks' agreement on overlapping the optimizer") and opt:
+                opt, reason = None, "another rank cannot overlap the optimizer with this backward"
         if opt is None:
             return without_overlap(reason)
         reducer = GradientReducer(group) if syncing else None

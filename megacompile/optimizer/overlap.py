@@ -48,7 +48,7 @@ from megacompile.core import torch_compat as compat
 from megacompile.optimizer.host_step import has_host_step, kernel_available
 from megacompile.optimizer.ownership import fused_kernel_runs
 from megacompile.runtime import trace
-from megacompile.runtime.data_parallel import GradientReducer
+from megacompile.runtime.data_parallel import GradientReducer, group_of, share_updated
 from megacompile.runtime.gradient_sink import GradientSink
 from megacompile.runtime.host_adam import fused_adam_step
 
@@ -272,6 +272,9 @@ def _optimizer_ready(opt: torch.optim.Optimizer, params: dict[int, torch.Tensor]
     mine = [p for p in params.values() if id(p) in owned]
     if any(compat.tensor_has_grad_hooks(p) for p in mine):
         return "a parameter has gradient hooks"
+    replicas = group_of(mine)
+    if replicas is not None and replicas.shards_optimizer:
+        mine = [p for p in mine if replicas.owns(p)]  # the rest has its state on other ranks
     for p in mine:
         state = opt.state.get(p)
         if not state or "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
@@ -342,6 +345,8 @@ class GradientLander(GradientSink):
         # Data parallel: each layer's gradients are averaged across the ranks (an async
         # all-reduce issued as the layer is submitted) before its update uses them.
         self.reducer = reducer
+        group = reducer.group if reducer is not None else None
+        self._sharded = group if group is not None and group.shards_optimizer else None
         self.device = device
         self.stats = OverlapStats(True, reason)
         self._group_of = {}
@@ -415,8 +420,16 @@ class GradientLander(GradientSink):
                     if ready is not None:
                         ready()  # CUDA: the gradient's copy to the host has finished
                     grads.append(g if prior is None else prior + g)
-                self._fused_update([item[0] for item in items], grads, hyper)
                 nbytes += sum(g.numel() * g.element_size() for g in grads)
+                params = [item[0] for item in items]
+                if self._sharded is not None:  # this rank updates only its own shard
+                    mine = [i for i, p in enumerate(params) if self._sharded.owns(p)]
+                    params, grads = [params[i] for i in mine], [grads[i] for i in mine]
+                if params:
+                    self._fused_update(params, grads, hyper)
+            if self._sharded is not None:
+                # In layer order on every rank (one worker thread): the owners' new values.
+                share_updated(self._sharded, [p for items, _ in work for p, *_ in items], self.device.loads_done)
         with self._lock:
             self._pending_bytes -= nbytes
             self.stats.update_seconds += time.perf_counter() - start
