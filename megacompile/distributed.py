@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 from typing import Iterator
 
 import torch
@@ -22,19 +23,26 @@ import torch.distributed as dist
 
 from megacompile.core.errors import DataParallelError
 from megacompile.runtime.data_parallel import DataParallelGroup, group_of, register
+from megacompile.runtime.shared_parameters import map_shared, why_not_shared
+
+log = logging.getLogger(__name__)
 
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # gloo's own default
 
 
 def data_parallel(model: torch.nn.Module, *, process_group=None, shard_optimizer: bool = False,
+                  shared_memory: bool = True,
                   timeout: float | datetime.timedelta | None = None) -> torch.nn.Module:
     """Make ``model`` data parallel over ``process_group`` (default: every rank).
 
     ``shard_optimizer``: each rank keeps the Adam / AdamW state of, and updates, only its
     shard of the parameters (about 1/world of the bytes, whole tensors, in parameter order);
     the updated parameters are broadcast from their owner, so every rank ends the step with
-    the same parameters. ``timeout`` (seconds): how long a collective may wait for the other
-    ranks before the step fails with ``DataParallelError``.
+    the same parameters. Where every rank runs on one host (and ``shared_memory``), the
+    parameters live once per host in shared memory that every rank maps, and the owners'
+    updates need no broadcast (``runtime/shared_parameters.py``). ``timeout`` (seconds): how
+    long a collective may wait for the other ranks before the step fails with
+    ``DataParallelError``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise DataParallelError(
@@ -66,12 +74,21 @@ def data_parallel(model: torch.nn.Module, *, process_group=None, shard_optimizer
         return model  # not a member: the groups exist, nothing to do here
 
     _check_same_structure(model, reduce_group)
+    params = [p for _, p in named]
+    shared = False
+    if shard_optimizer and shared_memory:
+        why_not = why_not_shared(params, reduce_group)
+        if why_not is None:
+            map_shared(params, reduce_group)  # rank 0's values, one copy for the host
+            shared = True
+        else:
+            log.info("megacompile.data_parallel: parameters are not shared between the ranks: %s", why_not)
     src = dist.get_global_rank(reduce_group, 0)
     with torch.no_grad():
-        for t in [p for _, p in named] + list(model.buffers()):
+        for t in ([] if shared else params) + list(model.buffers()):
             dist.broadcast(t.data, src=src, group=reduce_group)
-    owners = _partition([p for _, p in named], dist.get_world_size(reduce_group)) if shard_optimizer else None
-    group = DataParallelGroup(reduce_group, broadcast_group, timeout, owners)
+    owners = _partition(params, dist.get_world_size(reduce_group)) if shard_optimizer else None
+    group = DataParallelGroup(reduce_group, broadcast_group, timeout, owners, shared_parameters=shared)
     register([p for _, p in named], group)
     return model
 

@@ -63,7 +63,7 @@ class StepReport:
     measured_reserved_device_bytes: int | None = None
     # A data-parallel model (megacompile.data_parallel): runtime.data_parallel.DataParallelStats
     # as a dict (world_size, rank, synced, buckets, reduced_bytes, exposed_seconds,
-    # sharded_optimizer, optimizer_state_bytes); None otherwise.
+    # sharded_optimizer, shared_parameters); None otherwise.
     data_parallel: dict | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -100,7 +100,8 @@ class StepReport:
             lines.append(
                 f"  data parallel        rank {d['rank']} of {d['world_size']}: {d['buckets']} gradient buckets "
                 f"({format_bytes(d['reduced_bytes'])}) averaged, {d['exposed_seconds'] * 1e3:.1f} ms waited at the end"
-                + ("; optimizer state sharded" if d["sharded_optimizer"] else "") if d["synced"]
+                + ("; optimizer state sharded" if d["sharded_optimizer"] else "")
+                + ("; parameters shared by the host's ranks" if d["shared_parameters"] else "") if d["synced"]
                 else f"  data parallel        rank {d['rank']} of {d['world_size']}: no_sync (gradients kept local)")
         if self.segments is not None and self.lowering == "inductor":
             lines.append(f"  compiled segments    {self.segments['compiled']} distinct, "

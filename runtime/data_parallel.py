@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megacompile.core.errors import DataParallelError
 from megacompile.runtime.gradient_sink import GradientSink
+from megacompile.runtime.shared_parameters import others_updated
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ class DataParallelStats:
     reduced_bytes: int = 0
     exposed_seconds: float = 0.0  # the backward's wait for reductions still running at its end
     sharded_optimizer: bool = False
+    shared_parameters: bool = False  # one copy per host, in shared memory (runtime/shared_parameters.py)
 
 
 class DataParallelGroup:
@@ -48,7 +50,7 @@ class DataParallelGroup:
     parameters travel on, and (with a sharded optimizer) which rank updates which parameter."""
 
     def __init__(self, reduce_group, broadcast_group, timeout: datetime.timedelta | None,
-                 owners: dict[int, int] | None) -> None:
+                 owners: dict[int, int] | None, shared_parameters: bool = False) -> None:
         self.reduce_group = reduce_group  # gradient all-reduces (host tensors: gloo)
         self.broadcast_group = broadcast_group  # updated parameters from their owner
         self.world_size = dist.get_world_size(reduce_group)
@@ -57,6 +59,8 @@ class DataParallelGroup:
         # id(param) -> the group rank that holds its optimizer state and updates it
         # (None: every rank updates every parameter).
         self.owners = owners
+        # The ranks' parameters are one shared buffer: an owner's update is every rank's.
+        self.shared_parameters = shared_parameters
         self.sync = True
         self.last_stats: DataParallelStats | None = None
 
@@ -179,7 +183,8 @@ class GradientReducer:
 
     def __init__(self, group: DataParallelGroup) -> None:
         self.group = group
-        self.stats = DataParallelStats(group.world_size, group.rank, sharded_optimizer=group.shards_optimizer)
+        self.stats = DataParallelStats(group.world_size, group.rank, sharded_optimizer=group.shards_optimizer,
+                                       shared_parameters=group.shared_parameters)
         self._lock = threading.Lock()
 
     def submit(self, layer: str | None, items: list[tuple[torch.Tensor, torch.Tensor, Callable | None]]) -> Bucket:
@@ -274,7 +279,18 @@ def share_updated(group: DataParallelGroup, params: list[torch.Tensor],
     """With a sharded optimizer, after the owners updated ``params`` (the same list, in the
     same order, on every rank): each owner's updated parameters, broadcast to the other ranks
     as one buffer. ``before_write``: called before a received value overwrites a parameter
-    (no load may still read it)."""
+    (no load may still read it). Parameters in shared memory need no copy: a barrier says
+    every owner has written them."""
+    if group.shared_parameters:
+        done = torch.zeros(1)
+        what = "the barrier after the owners' parameter updates"
+        try:
+            work = dist.all_reduce(done, group=group.broadcast_group, async_op=True)
+        except Exception as e:
+            raise collective_failed(what, group, e) from e
+        group.wait(work, what)
+        others_updated([p for p in params if not group.owns(p)])
+        return
     by_owner: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
         by_owner.setdefault((group.owner_of(p), p.dtype), []).append(p)

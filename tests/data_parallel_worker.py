@@ -74,10 +74,31 @@ def new_training(seed: int = 0, **dp):
     return model, reference, *opts
 
 
+def parameters_shared(model, rank: int) -> bool:
+    """Whether a value rank 0 writes into its parameter is what rank 1's parameter holds,
+    with no collective moving it (one copy in shared memory)."""
+    p = next(iter(model.parameters()))
+    old = p.detach()[0, 0].item()
+    dist.barrier()
+    if rank == 0:
+        with torch.no_grad():
+            p[0, 0] = 1234.5
+    dist.barrier()
+    seen = torch.tensor([int(p.detach()[0, 0].item() == 1234.5)])
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN)  # rank 0 sees its own write in any case
+    if rank == 0:
+        with torch.no_grad():
+            p[0, 0] = old
+    dist.barrier()
+    return bool(seen.item())
+
+
 def accumulate_and_clip(rank: int, world: int) -> dict:
     """The model compiled inside an eager loop: two micro-batches (the first under no_sync),
-    clipping on the global norm, a scheduler, the optimizer sharded."""
+    clipping on the global norm, a scheduler, the optimizer sharded, the parameters one copy
+    in the host's shared memory."""
     model, reference, opt, sched, ref_opt, ref_sched = new_training(shard_optimizer=True)
+    shared = parameters_shared(model, rank)
     compiled = torch.compile(model, backend="megatrain", options=OPTIONS)
     per_rank = GLOBAL_BATCH // world
     for x, y in batches(3, seed=1):
@@ -100,14 +121,16 @@ def accumulate_and_clip(rank: int, world: int) -> dict:
     report = megacompile.last_report()
     return {"max_diff": max_diff(model, reference), "same_on_every_rank": same_on_every_rank(model),
             "state_bytes": state_bytes(opt), "reference_state_bytes": state_bytes(ref_opt),
-            "report": report.data_parallel, "optimizer": report.optimizer}
+            "report": report.data_parallel, "optimizer": report.optimizer, "parameters_shared": shared}
 
 
 def overlapped_and_resumed(rank: int, world: int, outdir: str) -> tuple[dict, object]:
     """The whole step compiled, the host optimizer overlapped with the backward (updates wait
-    for each layer's all-reduce), sharded; a DCP checkpoint after two steps is loaded into a
+    for each layer's all-reduce), sharded, each rank with its own parameters (as on several
+    hosts: owners broadcast their updates); a DCP checkpoint after two steps is loaded into a
     fresh model that goes on as the original does, and into a one-rank job."""
-    model, reference, opt, sched, ref_opt, ref_sched = new_training(seed=3, shard_optimizer=True)
+    model, reference, opt, sched, ref_opt, ref_sched = new_training(seed=3, shard_optimizer=True, shared_memory=False)
+    shared = parameters_shared(model, rank)
     options = {**OPTIONS, "overlap_optimizer": True}
 
     def compiled_step_for(m, o, s):
@@ -138,10 +161,11 @@ def overlapped_and_resumed(rank: int, world: int, outdir: str) -> tuple[dict, ob
             dcp.save({"model": model.state_dict(), "optim": megacompile.optimizer_state_dict(model, opt),
                       "sched": sched.state_dict()}, checkpoint_id=checkpoint)
     out = {"max_diff": max_diff(model, reference), "same_on_every_rank": same_on_every_rank(model),
-           "overlapped": overlapped, "state_bytes": state_bytes(opt), "reference_state_bytes": state_bytes(ref_opt)}
+           "overlapped": overlapped, "state_bytes": state_bytes(opt), "reference_state_bytes": state_bytes(ref_opt),
+           "parameters_shared": shared, "report": megacompile.last_report().data_parallel}
 
     # Resume on the same ranks: a fresh model, optimizer and scheduler, loaded, go on.
-    resumed, _, r_opt, r_sched, _, _ = new_training(seed=7, shard_optimizer=True)
+    resumed, _, r_opt, r_sched, _, _ = new_training(seed=7, shard_optimizer=True, shared_memory=False)
     state = {"model": resumed.state_dict(), "optim": megacompile.optimizer_state_dict(resumed, r_opt),
              "sched": r_sched.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint)

@@ -87,6 +87,17 @@ def test_sharded_optimizer_holds_half_the_state(two_ranks):
         assert mine == [total // 2, total // 2], (scenario, mine, total)
 
 
+def test_one_host_keeps_one_copy_of_the_parameters(two_ranks):
+    results, _, _ = two_ranks
+    for result in results:
+        # Sharded on one host: a write by rank 0 is what rank 1 reads (shared memory) ...
+        assert result["accumulate_and_clip"]["parameters_shared"]
+        assert result["accumulate_and_clip"]["report"]["shared_parameters"]
+        # ... and with shared_memory=False each rank has its own copy, kept equal by broadcasts.
+        assert not result["overlapped_and_resumed"]["parameters_shared"]
+        assert not result["overlapped_and_resumed"]["report"]["shared_parameters"]
+
+
 def test_overlapped_updates_wait_for_the_reduction(two_ranks):
     results, _, _ = two_ranks
     for rank, result in enumerate(results):

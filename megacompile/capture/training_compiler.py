@@ -27,12 +27,14 @@ from megacompile.capture.records import CompiledGraph
 from megacompile.capture.repeat_chain import find_repeat_chain, truncated_joint
 from megacompile.core import torch_compat as compat
 from megacompile.core.collector import cycle_collector_paused
-from megacompile.core.errors import BudgetError, UnsupportedGraph
+from megacompile.core.errors import BudgetError, DataParallelError, UnsupportedGraph
 from megacompile.core.node_info import info, layer_of_module_path
 from megacompile.core.units import format_bytes
 from megacompile.optimizer import overlap
 from megacompile.optimizer.eager_update_watch import EagerUpdateWatch
+from megacompile.optimizer.host_step import has_host_step, kernel_available
 from megacompile.optimizer.overlap import ParamInputs
+from megacompile.optimizer.ownership import fused_kernel_runs, optimizer_of
 from megacompile.options import Options
 from megacompile.passes import PassContext, run_passes
 from megacompile.passes.recompute import num_forward_outputs
@@ -95,6 +97,7 @@ class TrainingCompiler:
         self.param_inputs = ParamInputs([i for i, role in enumerate(input_roles) if role == "param"])
 
         self.eager_watch = EagerUpdateWatch()
+        self._sharded_optimizer_checked = False
         for index, (name, role, value) in enumerate(zip(input_names, input_roles, example_inputs)):
             if role == "param" and isinstance(value, torch.Tensor):
                 self.record.param_refs[index] = weakref.ref(value)
@@ -291,6 +294,9 @@ class TrainingCompiler:
         params = self.param_inputs.tensors()
         group = group_of(params.values())
         syncing = group is not None and group.sync
+        if group is not None and group.shards_optimizer and not self._sharded_optimizer_checked:
+            _check_sharded_optimizer(params)
+            self._sharded_optimizer_checked = True
         if group is not None:
             RECORDER.data_parallel_decided(None if syncing else DataParallelStats(group.world_size, group.rank, False))
 
@@ -354,6 +360,18 @@ class TrainingCompiler:
         # AOTAutograd hands back the module the partitioner returned; if a PyTorch version
         # copies it, the copy has the same nodes and meta.
         return given if ours is None else given
+
+
+def _check_sharded_optimizer(params: dict[int, torch.Tensor]) -> None:
+    """A sharded optimizer is the fused host Adam / AdamW step, which updates only this rank's
+    shard; any other optimizer would update every parameter on every rank."""
+    opt = optimizer_of({id(p): p for p in params.values()})
+    if opt is None or not (has_host_step(opt) or (fused_kernel_runs(opt) and kernel_available())):
+        name = type(opt).__name__ if opt is not None else "no single optimizer"
+        raise DataParallelError(
+            f"megacompile.data_parallel(shard_optimizer=True) needs one stock torch.optim.Adam or AdamW over "
+            f"fp32 parameters (run by megatrain's fused host kernel), found {name}: use one, or "
+            f"shard_optimizer=False")
 
 
 def _template_failed(error: Exception) -> None:
