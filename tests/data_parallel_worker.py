@@ -119,7 +119,7 @@ def accumulate_and_clip(rank: int, world: int) -> dict:
         ref_sched.step()
         ref_opt.zero_grad()
     report = megacompile.last_report()
-    return {"max_diff": max_diff(model, reference), "same_on_every_rank": same_on_every_rank(model),
+    return compiled, {"max_diff": max_diff(model, reference), "same_on_every_rank": same_on_every_rank(model),
             "state_bytes": state_bytes(opt), "reference_state_bytes": state_bytes(ref_opt),
             "report": report.data_parallel, "optimizer": report.optimizer, "parameters_shared": shared}
 
@@ -191,16 +191,16 @@ def overlapped_and_resumed(rank: int, world: int, outdir: str) -> tuple[dict, ob
     return out, step
 
 
-def rank_dies(rank: int, world: int, step) -> dict:
-    """Rank 1 exits before a step; rank 0's step must fail with a clear error, not hang."""
-    x = torch.randn(GLOBAL_BATCH // world, WIDTH)
+def rank_dies(rank: int, world: int, compiled) -> dict:
+    """Rank 1 exits before a step; rank 0's backward must fail with a clear error, not hang."""
+    x = torch.randn(GLOBAL_BATCH // world // 2, WIDTH)  # the micro-batch's shape: no recompile
     dist.barrier()
     if rank == 1:
         sys.stdout.flush()
         os._exit(17)
     started = time.perf_counter()
     try:
-        step(x, x)
+        F.mse_loss(compiled(x), x).backward()
     except Exception as e:  # noqa: BLE001 - the test reads what it was
         return {"error_type": type(e).__name__, "error": str(e), "seconds": time.perf_counter() - started}
     return {"error_type": None, "seconds": time.perf_counter() - started}
@@ -217,11 +217,11 @@ def main(outdir: str) -> None:
         with open(path, "w") as f:
             json.dump(result, f)
 
-    result["accumulate_and_clip"] = accumulate_and_clip(rank, world)
+    compiled, result["accumulate_and_clip"] = accumulate_and_clip(rank, world)
     save()
-    result["overlapped_and_resumed"], step = overlapped_and_resumed(rank, world, outdir)
+    result["overlapped_and_resumed"], _ = overlapped_and_resumed(rank, world, outdir)
     save()
-    result["rank_dies"] = rank_dies(rank, world, step)
+    result["rank_dies"] = rank_dies(rank, world, compiled)
     save()
     os._exit(0)  # the group cannot be destroyed cleanly with a peer gone
 

@@ -122,8 +122,10 @@ def test_a_rank_that_dies_fails_the_other_with_a_clear_error(two_ranks):
     results, codes, logs = two_ranks
     assert codes[1] == 17
     died = results[0]["rank_dies"]
-    assert died["error_type"] in ("DataParallelError", "PartialUpdateError"), (died, logs[0][-3000:])
-    assert "Another rank most likely exited" in died["error"] or "rank" in died["error"]
+    assert died["error_type"] == "DataParallelError", (died, logs[0][-3000:])
+    # Which collective, where, and what to do.
+    assert "the gradient all-reduce of layer layers." in died["error"] and "rank 0 of 2" in died["error"]
+    assert "Another rank most likely exited" in died["error"] and "restart" in died["error"]
     assert died["seconds"] < 25  # failed, not waited out a long timeout
 
 
@@ -141,3 +143,41 @@ def test_data_parallel_needs_a_process_group():
 
     with pytest.raises(megacompile.DataParallelError, match="init_process_group"):
         megacompile.data_parallel(torch.nn.Linear(2, 2))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank gloo job in this process (destroyed afterwards)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_setups_say_what_to_change(one_rank):
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with pytest.raises(megacompile.DataParallelError, match="not data parallel"):
+        with megacompile.no_sync(model):
+            pass
+    megacompile.data_parallel(model, shard_optimizer=True)
+    with pytest.raises(megacompile.DataParallelError, match="data parallel already"):
+        megacompile.data_parallel(model)
+    # A sharded optimizer is the fused host Adam / AdamW: SGD would update every parameter everywhere.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    with pytest.raises(megacompile.DataParallelError, match="not SGD"):
+        F.mse_loss(compiled(torch.randn(4, 8)), torch.randn(4, 2)).backward()
+    del opt
+    # One graph over a replicated model and a parameter that is not.
+    extra = torch.nn.Parameter(torch.ones(2))
+    mixed = torch.compile(lambda x: model(x) * extra, backend="megatrain",
+                          options={"device": "cpu", "lowering": "eager"})
+    with pytest.raises(megacompile.DataParallelError, match="1 parameter"):
+        mixed(torch.randn(4, 8)).sum().backward()

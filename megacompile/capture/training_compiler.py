@@ -295,8 +295,7 @@ class TrainingCompiler:
         group = group_of(params.values())
         syncing = group is not None and group.sync
         if group is not None and group.shards_optimizer and not self._sharded_optimizer_checked:
-            _check_sharded_optimizer(params)
-            self._sharded_optimizer_checked = True
+            self._sharded_optimizer_checked = _check_sharded_optimizer(params)
         if group is not None:
             RECORDER.data_parallel_decided(None if syncing else DataParallelStats(group.world_size, group.rank, False))
 
@@ -362,16 +361,19 @@ class TrainingCompiler:
         return given if ours is None else given
 
 
-def _check_sharded_optimizer(params: dict[int, torch.Tensor]) -> None:
+def _check_sharded_optimizer(params: dict[int, torch.Tensor]) -> bool:
     """A sharded optimizer is the fused host Adam / AdamW step, which updates only this rank's
-    shard; any other optimizer would update every parameter on every rank."""
+    shard; any other optimizer would update every parameter on every rank. True once the
+    optimizer was found and is one (none yet, or two: asked again at the next backward)."""
     opt = optimizer_of({id(p): p for p in params.values()})
-    if opt is None or not (has_host_step(opt) or (fused_kernel_runs(opt) and kernel_available())):
-        name = type(opt).__name__ if opt is not None else "no single optimizer"
+    if opt is None:
+        return False
+    if not (has_host_step(opt) or (fused_kernel_runs(opt) and kernel_available())):
         raise DataParallelError(
-            f"megacompile.data_parallel(shard_optimizer=True) needs one stock torch.optim.Adam or AdamW over "
-            f"fp32 parameters (run by megatrain's fused host kernel), found {name}: use one, or "
+            f"megacompile.data_parallel(shard_optimizer=True) needs a stock torch.optim.Adam or AdamW over "
+            f"fp32 parameters (run by megatrain's fused host kernel), not {type(opt).__name__}: use one, or "
             f"shard_optimizer=False")
+    return True
 
 
 def _template_failed(error: Exception) -> None:
