@@ -61,8 +61,7 @@ class DataParallelGroup:
         self.owners = owners
         # The ranks' parameters are one shared buffer: an owner's update is every rank's.
         self.shared_parameters = shared_parameters
-        self.sync = True
-        self.last_stats: DataParallelStats | None = None
+        self.sync = True  # False inside no_sync()
 
     @property
     def shards_optimizer(self) -> bool:
@@ -73,9 +72,6 @@ class DataParallelGroup:
 
     def owner_of(self, param: torch.Tensor) -> int:
         return self.rank if self.owners is None else self.owners[id(param)]
-
-    def global_rank(self, group_rank: int, group) -> int:
-        return dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
     def agree(self, flag: bool, what: str) -> bool:
         """Whether ``flag`` holds on every rank (one tiny all-reduce, on the thread that issues
@@ -123,23 +119,16 @@ def register(params: Iterable[torch.Tensor], group: DataParallelGroup) -> None:
             _GROUPS[key] = (weakref.ref(p, lambda _, key=key: _GROUPS.pop(key, None)), group)
 
 
-def unregister(params: Iterable[torch.Tensor]) -> None:
-    with _GROUPS_LOCK:
-        for p in params:
-            _GROUPS.pop(id(p), None)
-
-
 def group_of(params: Iterable[torch.Tensor]) -> DataParallelGroup | None:
     """The data-parallel group of ``params``, or None where none is; params of two groups, or
     some replicated and some not, are an error that says what to change."""
-    found, plain = set(), 0
+    plain = 0
     groups = {}
     with _GROUPS_LOCK:
         for p in params:
             entry = _GROUPS.get(id(p))
             if entry is not None and entry[0]() is p:
                 groups[id(entry[1])] = entry[1]
-                found.add(id(entry[1]))
             else:
                 plain += 1
     if not groups:
@@ -271,7 +260,6 @@ class ReducingSink(GradientSink):
         finally:
             self.stats.exposed_seconds = time.perf_counter() - start
             self._buckets = []
-        self.group.last_stats = self.stats
 
 
 def share_updated(group: DataParallelGroup, params: list[torch.Tensor],
