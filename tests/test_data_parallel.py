@@ -24,6 +24,7 @@ import megacompile
 ROOT = Path(__file__).resolve().parent.parent
 # fp32: the two ranks' averaged gradient and the global batch's differ in rounding only.
 PARAM_ATOL = 2e-5
+GRAD_ATOL = 1e-6
 LAUNCH_TIMEOUT = 150  # seconds: a hang fails the test instead of the suite
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -70,7 +71,8 @@ def test_accumulation_clipping_and_no_sync_match_the_global_batch(two_ranks):
     results, _, logs = two_ranks
     for rank, result in enumerate(results):
         r = result["accumulate_and_clip"]
-        assert r["max_diff"] <= PARAM_ATOL, (rank, r["max_diff"], logs[rank][-2000:])
+        assert r["grad_diff"] <= GRAD_ATOL, (rank, r["grad_diff"], logs[rank][-2000:])
+        assert r["max_diff"] <= PARAM_ATOL, (rank, r["max_diff"])
         assert r["same_on_every_rank"]
         assert r["report"]["synced"] and r["report"]["world_size"] == 2 and r["report"]["rank"] == rank
         # One all-reduce per layer (4 layers), nothing more.
