@@ -293,11 +293,14 @@ class TrainingCompiler:
         gradients across ranks; else None (the program returns every gradient)."""
         params = self.param_inputs.tensors()
         group = group_of(params.values())
-        syncing = group is not None and group.sync
+        # One rank has nothing to average: its backward is the plain one (no copies, no waits).
+        syncing = group is not None and group.sync and group.world_size > 1
         if group is not None and group.shards_optimizer and not self._sharded_optimizer_checked:
             self._sharded_optimizer_checked = _check_sharded_optimizer(params)
         if group is not None:
-            RECORDER.data_parallel_decided(None if syncing else DataParallelStats(group.world_size, group.rank, False))
+            RECORDER.data_parallel_decided(None if syncing else DataParallelStats(
+                group.world_size, group.rank, synced=group.sync, sharded_optimizer=group.shards_optimizer,
+                shared_parameters=group.shared_parameters))
 
         def without_overlap(why: str):
             RECORDER.overlap_decided(overlap.OverlapStats(False, why))
@@ -311,10 +314,10 @@ class TrainingCompiler:
             return without_overlap("overlap_optimizer=False" if self.options.overlap_optimizer is False
                                    else "overlap_optimizer='auto' is off on the CPU stand-in (its device lane "
                                         "computes on the host cores the updates would use)")
-        if group is not None and not syncing:
+        if group is not None and not group.sync:
             return without_overlap("inside megacompile.no_sync(): gradients accumulate locally")
         opt, reason = overlap.step_follows_backward(params)
-        if group is not None and group.shards_optimizer:
+        if syncing and group.shards_optimizer:
             # Overlapped or not, the ranks share updated parameters differently (per layer from
             # the lander, per owner after step()): they must all take the same path.
             if not group.agree(opt is not None, "the ranks' agreement on overlapping the optimizer") and opt:

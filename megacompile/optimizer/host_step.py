@@ -60,7 +60,7 @@ def fused_update(opt: torch.optim.Optimizer) -> None:
     # A data-parallel model whose optimizer is sharded: this rank updates (and keeps state
     # for) only the parameters it owns; the others arrive from their owners afterwards.
     replicas = group_of(p for group in opt.param_groups for p in group["params"])
-    sharded = replicas if replicas is not None and replicas.shards_optimizer else None
+    sharded = replicas if replicas is not None and replicas.shards_optimizer and replicas.world_size > 1 else None
     mine = (lambda p: p.grad is not None) if sharded is None else (lambda p: p.grad is not None and sharded.owns(p))
     # The moments of every parameter that has none yet, checked against the host's free
     # memory before the first is allocated (AdamW's state is the largest host allocation).
