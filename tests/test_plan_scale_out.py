@@ -83,3 +83,17 @@ def test_data_parallel_arguments_need_gpus(capsys):
     assert "add --gpus" in capsys.readouterr().err
     assert cli.main(["plan", "llama-3-8b", "--hardware", "h100-sxm", "--seq-len", "128", "--batch", "1",
                      "--gpus", "0"]) == 2
+
+
+def test_plan_model_reports_the_data_parallel_step():
+    # A 4-layer toy model traced for real: the wiring from the arguments to the report.
+    from test_plan_cmd import H200, small_config
+
+    from megacompile.cli.plan_command import planning
+
+    r = planning.plan_model(small_config(layers=4), H200, batch=2, seq_len=64, model_name="small",
+                            data_parallel={"gpus": 4, "nodes": 2})
+    s = r.to_dict()["scale_out"]
+    assert s["ranks"] == 8 and s["tokens_per_step"] == 8 * 2 * 64
+    assert s["step_s"] >= r.depth_plan.step_s and s["parts_s"]["device"] == r.depth_plan.device_s
+    assert "data parallel      4 GPU(s) x 2 node(s) = 8 ranks" in r.to_text()
