@@ -24,6 +24,7 @@ import dataclasses
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from megacompile.core import torch_compat as compat
 from megacompile.runtime import trace
 from megacompile.runtime.tracker import ArenaTracker, CudaTracker
 from megacompile.runtime.weight_copies import WeightCopies
@@ -170,6 +171,11 @@ class CudaDevice(StreamingDevice):
     def _pinned_source(self, host: torch.Tensor) -> torch.Tensor:
         if host.is_pinned() or host.device.type != "cpu":
             return host  # already pinned, or a user input that already lives on a GPU
+        if host.untyped_storage().is_shared():
+            # Memory other processes map (a data-parallel host's one copy of the weights,
+            # runtime/shared_parameters.py): page-locked in place, never moved to a private copy.
+            compat.register_host_storage(host.untyped_storage())
+            return host
         if isinstance(host, torch.nn.Parameter) or host.is_leaf:
             # Host-resident parameters live in pinned memory from their first load on, so
             # every later copy is a true asynchronous DMA (values are unchanged).

@@ -70,10 +70,10 @@ def map_shared(params: list[torch.Tensor], group) -> None:
     dist.barrier(group=group)
     if first:
         os.unlink(path)
-    if torch.cuda.is_available():
-        # Page-locked in place: a load's copy to the GPU is a true async DMA, and the device's
-        # first load does not move the parameter into private pinned memory.
-        compat.register_host_memory(buffer)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Page-locked in place now (a load's copy is then a true async DMA); otherwise the CUDA
+        # device does it at the first load (runtime/device.py, CudaDevice._pinned_source).
+        compat.register_host_storage(buffer.untyped_storage())
     offset = 0
     with torch.no_grad():
         for p in params:
