@@ -25,8 +25,10 @@ import torch.nn.functional as F
 import megacompile
 
 # fp32 tolerance for a few AdamW steps against eager on the concatenated batch: the ranks'
-# averaged gradient and the global batch's differ only in rounding.
-ATOL, RTOL = 2e-5, 1e-4
+# averaged gradient and the global batch's differ only in rounding, but AdamW divides by
+# sqrt(v) + eps, so a gradient near eps turns that rounding into a visible part of lr (two
+# ranks: ~1e-7 here; three: ~2e-5).
+ATOL, RTOL = 1e-4, 1e-4
 # The averaged gradient itself: AdamW and clipping hide a gradient's scale, this check does not.
 GRAD_ATOL = 1e-6
 # bf16: the ranks' bf16 matmuls see other row blocks than the global batch's, so gradients
