@@ -61,6 +61,10 @@ class StepReport:
     # CUDA: the most the caching allocator reserved during the step (what nvidia-smi shows,
     # beside what tensors held); None on the CPU stand-in, which has no allocator cache.
     measured_reserved_device_bytes: int | None = None
+    # Host bytes the device runtime holds page-locked after the step (runtime/pinned_memory.py;
+    # the CPU stand-in pins nothing) and the cap on them (option pinned_host_memory).
+    pinned_host_bytes: int = 0
+    pinned_host_cap: int | None = None
     # A data-parallel model (megacompile.data_parallel): runtime.data_parallel.DataParallelStats
     # as a dict (world_size, rank, synced, buckets, reduced_bytes, exposed_seconds,
     # sharded_optimizer, shared_parameters); None otherwise.
@@ -80,6 +84,9 @@ class StepReport:
             f"  measured peak device {measured}",
             *([f"  reserved peak device {format_bytes(self.measured_reserved_device_bytes)} (the allocator's cache)"]
               if self.measured_reserved_device_bytes is not None else []),
+            *([f"  pinned host          {format_bytes(self.pinned_host_bytes)}"
+               + (f" (cap {format_bytes(self.pinned_host_cap)})" if self.pinned_host_cap is not None else "")]
+              if self.pinned_host_bytes or self.pinned_host_cap is not None else []),
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
@@ -225,7 +232,8 @@ class StepRecorder:
         self._pending = dict(graphs=list(graphs), held_at_start=list(cur["held_at_start"]), stats=stats,
                              measured=measured, reserved=reserved, host_graphs=list(cur["host_graphs"]),
                              optimizer=cur["optimizer"],
-                             staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped)
+                             staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped,
+                             pinned=(device.pinned.pinned, device.pinned.cap))
         reduced = cur.get("data_parallel")
         self._data_parallel = dataclasses.asdict(reduced) if reduced is not None else None
         self._last = None

@@ -17,8 +17,6 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from megacompile.core import torch_compat as compat
-
 SHM_DIR = "/dev/shm"
 
 
@@ -70,10 +68,8 @@ def map_shared(params: list[torch.Tensor], group) -> None:
     dist.barrier(group=group)
     if first:
         os.unlink(path)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # Page-locked in place now (a load's copy is then a true async DMA); otherwise the CUDA
-        # device does it at the first load (runtime/device.py, CudaDevice._pinned_source).
-        compat.register_host_storage(buffer.untyped_storage())
+    # On CUDA the device page-locks the buffer in place at its first load, within the pinned
+    # memory budget (runtime/device.py, CudaDevice._pinned_source).
     offset = 0
     with torch.no_grad():
         for p in params:

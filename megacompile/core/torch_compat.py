@@ -421,3 +421,27 @@ def register_host_storage(storage: torch.UntypedStorage) -> None:
 
 def unregister_host_memory(data_ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(data_ptr)
+
+
+# --- torch.profiler -----------------------------------------------------------------------
+_autograd_profiler = torch.autograd.profiler
+
+
+def profiler_enabled() -> bool:
+    """Whether any torch profiler (``torch.profiler.profile``, ``emit_nvtx``, ``emit_itt``) is
+    recording in this process: the process-wide flag torch sets for its own fast checks, one
+    attribute read, true on every thread (the C++ ``_profiler_enabled()`` is per thread)."""
+    return _autograd_profiler._is_profiler_enabled
+
+
+def nvtx_profiler_on_this_thread() -> bool:
+    """Whether ``emit_nvtx`` is active on this thread (its record_function ranges already
+    become NVTX ranges, so a second, explicit one would duplicate them)."""
+    return torch._C._autograd._profiler_type() == torch._C._profiler.ActiveProfilerType.NVTX
+
+
+def profile_all_threads_config() -> Any:
+    """``experimental_config`` for ``torch.profiler.profile`` that records threads the profiler
+    did not start (megatrain's host optimizer worker); without it only the thread that
+    entered the profiler is recorded."""
+    return torch.profiler._ExperimentalConfig(profile_all_threads=True)
