@@ -15,7 +15,7 @@ one track (``tid``) per lane:
 - ``h2d`` / ``d2h``: parameter and activation loads, gradient and activation offloads. On the
   CPU stand-in the copy happens where it is issued. On CUDA these lanes hold the copies'
   real times from CUDA events on the copy streams, and ``h2d enqueue`` / ``d2h enqueue`` the
-  CPU time to issue them (the CUDA part is untested: no GPU in this repository's CI);
+  CPU time to issue them;
 - ``wait``: the compute side waiting for a copy;
 - ``host optimizer``: the optimizer graph run on the host;
 - ``graphs``: one event per forward / backward program run, enclosing its instructions.
@@ -26,9 +26,7 @@ on one track never overlap. While a ``torch.profiler`` records, the same spans a
 ``record_function`` ranges (``runtime/profiler_ranges.py``); this Chrome trace is for
 machines without CUPTI or a profiler. With neither active, ``span`` and the executor's
 checks cost a global read and an attribute read.
-
-``evict`` (a device copy's release point) and ``host`` (host graphs that are not the
-optimizer) are lanes too.
+``evict`` (a device copy's release point) and ``host`` (other host graphs) are lanes too.
 """
 from __future__ import annotations
 

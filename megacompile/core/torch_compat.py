@@ -315,8 +315,8 @@ class invoke_subgraph_schema_memo:
 
     Under autograd, every call of an ``invoke_subgraph`` body first derives the body's
     schema to refuse in-place input mutation (``HigherOrderOperator.py_autograd_impl``), and
-    ``invoke_subgraph.gen_schema`` re-traces the whole body to do so: about 0.1 s per call of a
-    small decoder layer, for every layer. The schema depends on the body (one per identifier
+    ``invoke_subgraph.gen_schema`` re-traces the whole body to do so, at every call, for every
+    layer. The schema depends on the body (one per identifier
     within a graph) and on its operands' metadata only, so it is kept for the duration of
     one AOTAutograd call, keyed by both. Where the operator or its ``gen_schema`` is missing
     (another release), nothing is changed.
