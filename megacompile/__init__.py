@@ -11,9 +11,11 @@ from __future__ import annotations
 from megacompile.backend import megatrain
 from megacompile.capture.records import compiled_graphs
 from megacompile.capture.repeated_layers import mark_repeated_layers, unmark_repeated_layers
+from megacompile.checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from megacompile.core import ops  # noqa: F401  (registers the megatrain op library)
 from megacompile.core.errors import (
     BudgetError,
+    DataParallelError,
     HostMemoryError,
     MegacompileError,
     OptionsError,
@@ -21,13 +23,16 @@ from megacompile.core.errors import (
     PlacementError,
 )
 from megacompile.core.torch_compat import register_dynamo_backend, register_torch_logs
+from megacompile.distributed import data_parallel, no_sync
 from megacompile.options import Options, parse_options
 from megacompile.report import StepReport, last_report
 from megacompile.runtime.device import forget_weight_copies
 from megacompile.runtime.trace import trace_runtime
 
 __all__ = [
-    "BudgetError", "MegacompileError", "compiled_graphs", "forget_weight_copies", "Options", "OptionsError",
+    "BudgetError", "DataParallelError", "MegacompileError", "data_parallel", "no_sync",
+    "load_optimizer_state_dict", "optimizer_state_dict",
+    "compiled_graphs", "forget_weight_copies", "Options", "OptionsError",
     "HostMemoryError", "PartialUpdateError",
     "PlacementError", "StepReport", "last_report", "mark_repeated_layers", "megatrain", "parse_options",
     "trace_runtime", "unmark_repeated_layers",

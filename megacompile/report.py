@@ -65,6 +65,10 @@ class StepReport:
     # the CPU stand-in pins nothing) and the cap on them (option pinned_host_memory).
     pinned_host_bytes: int = 0
     pinned_host_cap: int | None = None
+    # A data-parallel model (megacompile.data_parallel): runtime.data_parallel.DataParallelStats
+    # as a dict (world_size, rank, synced, buckets, reduced_bytes, exposed_seconds,
+    # sharded_optimizer, shared_parameters); None otherwise.
+    data_parallel: dict | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -98,6 +102,14 @@ class StepReport:
                 f"gradients landed, {o['exposed_seconds'] * 1e3:.1f} ms waited at the end" if o["overlapped"]
                 else f"  host optimizer       after the backward ({o['reason']})"
             )
+        if self.data_parallel is not None:
+            d = self.data_parallel
+            lines.append(
+                f"  data parallel        rank {d['rank']} of {d['world_size']}: {d['buckets']} gradient buckets "
+                f"({format_bytes(d['reduced_bytes'])}) averaged, {d['exposed_seconds'] * 1e3:.1f} ms waited at the end"
+                + ("; optimizer state sharded" if d["sharded_optimizer"] else "")
+                + ("; parameters shared by the host's ranks" if d["shared_parameters"] else "") if d["synced"]
+                else f"  data parallel        rank {d['rank']} of {d['world_size']}: no_sync (gradients kept local)")
         if self.segments is not None and self.lowering == "inductor":
             lines.append(f"  compiled segments    {self.segments['compiled']} distinct, "
                          f"{self.segments['reused']} repeats reused them")
@@ -129,6 +141,7 @@ class StepRecorder:
         self._current: dict[str, Any] | None = None
         self._pending: tuple | None = None
         self._last: StepReport | None = None
+        self._data_parallel: dict | None = None
 
     def forward_started(self, compiled, device) -> None:
         with self._lock:
@@ -150,7 +163,8 @@ class StepRecorder:
             device.host_staging.reset_peak()
             self._current = {"graphs": [compiled], "held_at_start": [0], "device": device,
                              "awaiting_backward": [compiled] if compiled.backward is not None else [],
-                             "host_graphs": [], "optimizer": None, "overlap": None}
+                             "host_graphs": [], "optimizer": None, "overlap": None,
+                             "data_parallel": None}
             self._update()
 
     def graph_finished(self, compiled=None, backward: bool = False, failed: bool = False) -> None:
@@ -192,6 +206,13 @@ class StepRecorder:
             if self._current is not None:
                 self._current["overlap"] = stats
 
+    def data_parallel_decided(self, stats) -> None:
+        """What this step's backward reduces across ranks (``runtime.data_parallel.DataParallelStats``,
+        None: nothing yet); taken into the report when the backward finishes."""
+        with self._lock:
+            if self._current is not None:
+                self._current["data_parallel"] = stats
+
     def host_graph_ran(self, label: str, optimizer=None) -> None:
         self.optimizer_seen(optimizer)
         with self._lock:
@@ -215,6 +236,8 @@ class StepRecorder:
                              optimizer=cur["optimizer"],
                              staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped,
                              pinned=(device.pinned.pinned, device.pinned.cap))
+        reduced = cur.get("data_parallel")
+        self._data_parallel = dataclasses.asdict(reduced) if reduced is not None else None
         self._last = None
 
     def last(self) -> StepReport | None:
@@ -223,6 +246,7 @@ class StepRecorder:
                 pending = dict(self._pending)
                 graphs = pending.pop("graphs")
                 self._last = graphs[0].make_step_report(graphs, **pending)
+                self._last.data_parallel = self._data_parallel
             return self._last
 
 

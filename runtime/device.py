@@ -25,6 +25,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from megacompile.core import torch_compat as compat
 from megacompile.runtime import trace
 from megacompile.runtime.pinned_memory import PinnedHostBudget
 from megacompile.runtime.tracker import ArenaTracker, CudaTracker
@@ -170,10 +171,21 @@ class CudaDevice(StreamingDevice):
         self.d2h_stream = torch.cuda.Stream(self.torch_device)
         # Copy-completion events by tensor, weakly held so a dropped tensor drops its event.
         self._events = WeakIdKeyDictionary()
+        # Shared-memory buffers page-locked in place (by address; they live as long as the job).
+        self._registered_shared: set[int] = set()
 
     def _pinned_source(self, host: torch.Tensor) -> torch.Tensor:
         if host.is_pinned() or host.device.type != "cpu":
             return host  # already pinned, or a user input that already lives on a GPU
+        storage = host.untyped_storage()
+        if storage.is_shared():
+            # Memory other processes map (a data-parallel host's one copy of the weights,
+            # runtime/shared_parameters.py): page-locked in place, the whole buffer once, never
+            # moved into private pinned memory (that would take it out of the shared buffer).
+            if storage.data_ptr() not in self._registered_shared and self.pinned.try_pin(storage.nbytes()):
+                compat.register_host_storage(storage)
+                self._registered_shared.add(storage.data_ptr())
+            return host
         nbytes = host.numel() * host.element_size()
         if not self.pinned.try_pin(nbytes):
             return host  # over the pinned-memory cap: a synchronous copy from pageable memory

@@ -5,7 +5,8 @@ The stages, lowest first (docs/architecture.md, "Where things live"):
     core                      the IR and shared utilities; imports nothing of megacompile
     passes, runtime, report   each imports only the core
     plan                      + passes, runtime
-    options, optimizer        + plan (options), + runtime and report (optimizer)
+    options, optimizer,       + plan (options), + runtime and report (optimizer),
+    distributed, checkpoint   + runtime (data parallel setup; its optimizer state for DCP)
     capture                   everything above
     backend                   everything above
     the package's __init__    the public API, from everything above
@@ -35,6 +36,8 @@ STAGES = {
     "megacompile.plan": 2,
     "megacompile.options": 3,
     "megacompile.optimizer": 3,
+    "megacompile.distributed": 3,
+    "megacompile.checkpoint": 3,
     "megacompile.capture": 4,
     "megacompile.backend": 5,
     "megacompile": 6,  # the package's own __init__: the public API

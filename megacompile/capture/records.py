@@ -168,7 +168,9 @@ def host_bytes_of(graphs: list[CompiledGraph], optimizer) -> dict[str, int]:
                     states += value.untyped_storage().nbytes()
     device = existing_device(graphs[0].options.device)
     return {
-        "weights": sum(p.untyped_storage().nbytes() for p in unique),
+        # By storage: parameters that are views of one buffer (a data-parallel node's shared
+        # weights, runtime/shared_parameters.py) hold it once.
+        "weights": sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in unique}.values()),
         "gradients": sum(grads.values()),
         "optimizer_states": states,
         "bf16_weight_copies": device.weight_copies.nbytes(unique) if device is not None else 0,

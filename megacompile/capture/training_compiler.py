@@ -27,12 +27,14 @@ from megacompile.capture.records import CompiledGraph
 from megacompile.capture.repeat_chain import find_repeat_chain, truncated_joint
 from megacompile.core import torch_compat as compat
 from megacompile.core.collector import cycle_collector_paused
-from megacompile.core.errors import BudgetError, UnsupportedGraph
+from megacompile.core.errors import BudgetError, DataParallelError, UnsupportedGraph
 from megacompile.core.node_info import info, layer_of_module_path
 from megacompile.core.units import format_bytes
 from megacompile.optimizer import overlap
 from megacompile.optimizer.eager_update_watch import EagerUpdateWatch
+from megacompile.optimizer.host_step import has_host_step, kernel_available
 from megacompile.optimizer.overlap import ParamInputs
+from megacompile.optimizer.ownership import fused_kernel_runs, optimizer_of
 from megacompile.options import Options
 from megacompile.passes import PassContext, run_passes
 from megacompile.passes.recompute import num_forward_outputs
@@ -51,6 +53,7 @@ from megacompile.plan.memory_estimate import (
 from megacompile.plan.template_planner import DEPTHS, MIN_LAYERS, Template
 from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 from megacompile.report import RECORDER
+from megacompile.runtime.data_parallel import DataParallelStats, GradientReducer, ReducingSink, group_of
 from megacompile.runtime.executor import StreamingProgram
 from megacompile.runtime.segment_cache import SegmentCache
 
@@ -95,6 +98,7 @@ class TrainingCompiler:
         self.param_inputs = ParamInputs([i for i, role in enumerate(input_roles) if role == "param"])
 
         self.eager_watch = EagerUpdateWatch()
+        self._sharded_optimizer_checked = False
         for index, (name, role, value) in enumerate(zip(input_names, input_roles, example_inputs)):
             if role == "param" and isinstance(value, torch.Tensor):
                 self.record.param_refs[index] = weakref.ref(value)
@@ -284,20 +288,47 @@ class TrainingCompiler:
         return program
 
     def _make_lander(self):
-        """Per backward call: a lander if the optimizer step can overlap it, else None."""
-        if not self.options.overlaps_optimizer:
-            why = ("overlap_optimizer=False" if self.options.overlap_optimizer is False
-                   else "overlap_optimizer='auto' is off on the CPU stand-in (its device lane computes on the host "
-                        "cores the updates would use)")
-            RECORDER.overlap_decided(overlap.OverlapStats(False, why))
-            return None
+        """Per backward call, the sink for its gradients: the overlapped optimizer's lander
+        if the step can overlap it; else, for a data-parallel model, the sink that averages
+        gradients across ranks; else None (the program returns every gradient)."""
         params = self.param_inputs.tensors()
+        group = group_of(params.values())
+        # One rank has nothing to average: its backward is the plain one (no copies, no waits).
+        syncing = group is not None and group.sync and group.world_size > 1
+        if group is not None and group.shards_optimizer and not self._sharded_optimizer_checked:
+            self._sharded_optimizer_checked = _check_sharded_optimizer(params)
+        if group is not None:
+            RECORDER.data_parallel_decided(None if syncing else DataParallelStats(
+                group.world_size, group.rank, synced=group.sync, sharded_optimizer=group.shards_optimizer,
+                shared_parameters=group.shared_parameters))
+
+        def without_overlap(why: str):
+            RECORDER.overlap_decided(overlap.OverlapStats(False, why))
+            if not syncing:
+                return None
+            sink = ReducingSink(params, group)
+            RECORDER.data_parallel_decided(sink.stats)
+            return sink
+
+        if not self.options.overlaps_optimizer:
+            return without_overlap("overlap_optimizer=False" if self.options.overlap_optimizer is False
+                                   else "overlap_optimizer='auto' is off on the CPU stand-in (its device lane "
+                                        "computes on the host cores the updates would use)")
+        if group is not None and not group.sync:
+            return without_overlap("inside megacompile.no_sync(): gradients accumulate locally")
         opt, reason = overlap.step_follows_backward(params)
+        if syncing and group.shards_optimizer:
+            # Overlapped or not, the ranks share updated parameters differently (per layer from
+            # the lander, per owner after step()): they must all take the same path.
+            if not group.agree(opt is not None, "the ranks' agreement on overlapping the optimizer") and opt:
+                opt, reason = None, "another rank cannot overlap the optimizer with this backward"
         if opt is None:
-            RECORDER.overlap_decided(overlap.OverlapStats(False, reason))
-            return None
-        lander = overlap.GradientLander(opt, params, self.device, reason)
+            return without_overlap(reason)
+        reducer = GradientReducer(group) if syncing else None
+        lander = overlap.GradientLander(opt, params, self.device, reason, reducer=reducer)
         RECORDER.overlap_decided(lander.stats)
+        if reducer is not None:
+            RECORDER.data_parallel_decided(reducer.stats)
         RECORDER.optimizer_seen(opt)
         return lander
 
@@ -331,6 +362,21 @@ class TrainingCompiler:
         # AOTAutograd hands back the module the partitioner returned; if a PyTorch version
         # copies it, the copy has the same nodes and meta.
         return given if ours is None else given
+
+
+def _check_sharded_optimizer(params: dict[int, torch.Tensor]) -> bool:
+    """A sharded optimizer is the fused host Adam / AdamW step, which updates only this rank's
+    shard; any other optimizer would update every parameter on every rank. True once the
+    optimizer was found and is one (none yet, or two: asked again at the next backward)."""
+    opt = optimizer_of({id(p): p for p in params.values()})
+    if opt is None:
+        return False
+    if not (has_host_step(opt) or (fused_kernel_runs(opt) and kernel_available())):
+        raise DataParallelError(
+            f"megacompile.data_parallel(shard_optimizer=True) needs a stock torch.optim.Adam or AdamW over "
+            f"fp32 parameters (run by megatrain's fused host kernel), not {type(opt).__name__}: use one, or "
+            f"shard_optimizer=False")
+    return True
 
 
 def _template_failed(error: Exception) -> None:

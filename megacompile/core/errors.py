@@ -64,6 +64,11 @@ class PlacementError(MegacompileError, ValueError):
     """Parameters are not where megatrain needs them (it keeps them in host memory)."""
 
 
+class DataParallelError(MegacompileError, RuntimeError):
+    """A data-parallel setup that cannot work, or a collective that failed (a rank exited,
+    timed out, or ran a different step); the message says what to change."""
+
+
 class UnsupportedGraph(Exception):
     """Raised inside the backend when the passes cannot handle a graph.
 

@@ -406,6 +406,19 @@ def register_host_memory(t: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister of {t.untyped_storage().nbytes()} bytes failed with cudaError {code}")
 
 
+# cudaErrorHostMemoryAlreadyRegistered: the range is page-locked already (another mapping's
+# registration of the same shared pages, or an earlier call), which is what was asked.
+_ALREADY_REGISTERED = 712
+
+
+def register_host_storage(storage: torch.UntypedStorage) -> None:
+    """Page-lock a whole storage in place (``register_host_memory`` for a storage that views
+    of it share: a data-parallel host's one shared copy of the weights)."""
+    code = int(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0))
+    if code not in (0, _ALREADY_REGISTERED):
+        raise RuntimeError(f"cudaHostRegister of {storage.nbytes()} bytes failed with cudaError {code}")
+
+
 def unregister_host_memory(data_ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(data_ptr)
 

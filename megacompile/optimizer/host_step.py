@@ -28,6 +28,7 @@ from megacompile.optimizer import eager_update_watch
 from megacompile.optimizer.ownership import fused_kernel_runs, optimizer_of, optimizer_of_graph
 from megacompile.report import RECORDER
 from megacompile.runtime import trace
+from megacompile.runtime.data_parallel import group_of, share_updated
 from megacompile.runtime.host_adam import fused_adam_step, host_adam_available
 
 
@@ -56,15 +57,20 @@ def fused_update(opt: torch.optim.Optimizer) -> None:
     step counters advance, nothing else.
     """
     decoupled_default = isinstance(opt, torch.optim.AdamW)
+    # A data-parallel model whose optimizer is sharded: this rank updates (and keeps state
+    # for) only the parameters it owns; the others arrive from their owners afterwards.
+    replicas = group_of(p for group in opt.param_groups for p in group["params"])
+    sharded = replicas if replicas is not None and replicas.shards_optimizer and replicas.world_size > 1 else None
+    mine = (lambda p: p.grad is not None) if sharded is None else (lambda p: p.grad is not None and sharded.owns(p))
     # The moments of every parameter that has none yet, checked against the host's free
     # memory before the first is allocated (AdamW's state is the largest host allocation).
     new_state = sum(2 * p.numel() * p.element_size() for group in opt.param_groups for p in group["params"]
-                    if p.grad is not None and not opt.state[p] and p.device.type != "meta")
+                    if mine(p) and not opt.state[p] and p.device.type != "meta")
     check_host_allocation(new_state, f"{type(opt).__name__}'s state (exp_avg and exp_avg_sq of each parameter)")
     for group in opt.param_groups:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in group["params"]:
-            if p.grad is None:
+            if not mine(p):
                 continue
             state = opt.state[p] or _init_state(opt, p)
             params.append(p)
@@ -88,6 +94,8 @@ def fused_update(opt: torch.optim.Optimizer) -> None:
                 decoupled=bool(group.get("decoupled_weight_decay", decoupled_default)),
                 maximize=bool(group.get("maximize", False)),
             )
+    if sharded is not None:
+        share_updated(sharded, [p for group in opt.param_groups for p in group["params"] if p.grad is not None])
 
 
 _warned_unavailable = False

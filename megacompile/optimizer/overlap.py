@@ -48,6 +48,7 @@ from megacompile.core import torch_compat as compat
 from megacompile.optimizer.host_step import has_host_step, kernel_available
 from megacompile.optimizer.ownership import fused_kernel_runs
 from megacompile.runtime import trace
+from megacompile.runtime.data_parallel import GradientReducer, group_of, share_updated
 from megacompile.runtime.gradient_sink import GradientSink
 from megacompile.runtime.host_adam import fused_adam_step
 
@@ -271,6 +272,9 @@ def _optimizer_ready(opt: torch.optim.Optimizer, params: dict[int, torch.Tensor]
     mine = [p for p in params.values() if id(p) in owned]
     if any(compat.tensor_has_grad_hooks(p) for p in mine):
         return "a parameter has gradient hooks"
+    replicas = group_of(mine)
+    if replicas is not None and replicas.shards_optimizer:
+        mine = [p for p in mine if replicas.owns(p)]  # the rest has its state on other ranks
     for p in mine:
         state = opt.state.get(p)
         if not state or "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
@@ -335,8 +339,14 @@ class GradientLander(GradientSink):
     returned as by the default sink.
     """
 
-    def __init__(self, opt: torch.optim.Optimizer, params: dict[int, torch.Tensor], device, reason: str) -> None:
+    def __init__(self, opt: torch.optim.Optimizer, params: dict[int, torch.Tensor], device, reason: str,
+                 reducer: GradientReducer | None = None) -> None:
         self.opt = opt
+        # Data parallel: each layer's gradients are averaged across the ranks (an async
+        # all-reduce issued as the layer is submitted) before its update uses them.
+        self.reducer = reducer
+        group = reducer.group if reducer is not None else None
+        self._sharded = group if group is not None and group.shards_optimizer else None
         self.device = device
         self.stats = OverlapStats(True, reason)
         self._group_of = {}
@@ -388,21 +398,38 @@ class GradientLander(GradientSink):
                          decoupled=bool(group.get("decoupled_weight_decay", isinstance(self.opt, torch.optim.AdamW))),
                          maximize=bool(group.get("maximize", False)))
             work.append((items, hyper))
-        self._futures.append(_pool().submit(self._update, work, layer))
+        bucket = None
+        if self.reducer is not None:
+            # Issued now, in the order layers land (the same on every rank); the bucket adds
+            # what earlier micro-batches accumulated, as the update below would.
+            bucket = self.reducer.submit(layer, [(p, g, ready) for items, _ in work for p, g, ready, _ in items])
+        self._futures.append(_pool().submit(self._update, work, layer, bucket))
 
-    def _update(self, work, layer) -> None:
+    def _update(self, work, layer, bucket=None) -> None:
         start = time.perf_counter()
         nbytes = 0
         n = sum(len(items) for items, _ in work)
+        averaged = iter(self.reducer.result(bucket)) if bucket is not None else None
         with trace.span("host optimizer", f"adam[{layer}]", layer=layer, tensors=n, overlapped=True):
             for items, hyper in work:
                 grads = []
                 for _, g, ready, prior in items:
+                    if averaged is not None:
+                        grads.append(next(averaged))  # landed, accumulated and averaged already
+                        continue
                     if ready is not None:
                         ready()  # CUDA: the gradient's copy to the host has finished
                     grads.append(g if prior is None else prior + g)
-                self._fused_update([item[0] for item in items], grads, hyper)
                 nbytes += sum(g.numel() * g.element_size() for g in grads)
+                params = [item[0] for item in items]
+                if self._sharded is not None:  # this rank updates only its own shard
+                    mine = [i for i, p in enumerate(params) if self._sharded.owns(p)]
+                    params, grads = [params[i] for i in mine], [grads[i] for i in mine]
+                if params:
+                    self._fused_update(params, grads, hyper)
+            if self._sharded is not None:
+                # In layer order on every rank (one worker thread): the owners' new values.
+                share_updated(self._sharded, [p for items, _ in work for p, *_ in items], self.device.loads_done)
         with self._lock:
             self._pending_bytes -= nbytes
             self.stats.update_seconds += time.perf_counter() - start

@@ -35,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traced-layers", type=int, default=DEFAULT_TRACED_LAYERS, metavar="K",
                         help="decoder layers traced and planned before extrapolating "
                              f"(default: {DEFAULT_TRACED_LAYERS})")
+    parser.add_argument("--gpus", type=int, default=None, metavar="N",
+                        help="data parallel: GPUs per node (--batch is per GPU); predicts the step and tokens/s")
+    parser.add_argument("--nodes", type=int, default=None, metavar="M", help="data parallel: nodes (default 1)")
+    parser.add_argument("--no-shard-optimizer", action="store_true",
+                        help="data parallel: every rank keeps the whole optimizer state (default: sharded)")
+    parser.add_argument("--nic-bandwidth", default=None, metavar="RATE",
+                        help="data parallel: bytes/s of the NIC gloo uses between nodes, e.g. 25GB "
+                             "(default 25 GB/s: a 200 Gb/s NIC over TCP)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -73,6 +81,20 @@ def run(args: argparse.Namespace) -> int:
         return usage_error(str(e))
     if args.batch < 1 or args.seq_len < 1:
         return usage_error("--batch and --seq-len must be >= 1")
+    data_parallel = None
+    if args.gpus is not None or args.nodes is not None:
+        gpus = args.gpus if args.gpus is not None else 1
+        nodes = args.nodes if args.nodes is not None else 1
+        if gpus < 1 or nodes < 1:
+            return usage_error("--gpus and --nodes must be >= 1")
+        data_parallel = {"gpus": gpus, "nodes": nodes, "shard_optimizer": not args.no_shard_optimizer}
+        if args.nic_bandwidth is not None:
+            try:
+                data_parallel["nic_bandwidth"] = parse_bytes(args.nic_bandwidth, "--nic-bandwidth")
+            except OptionsError as e:
+                return usage_error(str(e))
+    elif args.no_shard_optimizer or args.nic_bandwidth is not None:
+        return usage_error("--no-shard-optimizer and --nic-bandwidth describe data parallel: add --gpus N")
     if args.traced_layers < 2 or args.seq_multiple < 1:
         return usage_error("--traced-layers must be >= 2 and --seq-multiple >= 1")
     try:
@@ -84,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
         with _quiet():
             result = plan_model(config, profile, batch=args.batch, seq_len=args.seq_len, precision=args.precision,
                                 budget=budget, host_memory=host_memory, k=args.traced_layers,
-                                max_seq_len=args.max_seq_len, seq_multiple=args.seq_multiple, model_name=name)
+                                max_seq_len=args.max_seq_len, seq_multiple=args.seq_multiple, model_name=name,
+                                data_parallel=data_parallel)
     except PlanError as e:
         print(f"megacompile plan: error: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ class DepthPlan:
     # The host optimizer's time the step waits for after the device work: all of it when it
     # runs after the backward, the part the backward does not hide when it overlaps.
     optimizer_exposed_s: float = 0.0
+    backward_s: float = 0.0  # the device's backward (what per-layer gradient reductions overlap)
 
     @property
     def step_s(self) -> float:
@@ -163,7 +164,7 @@ def evaluate(trace: Trace, counts: dict) -> DepthPlan:
         peak_region=region,
         bytes_by_direction={key: int(total(key)) for key in ("forward_h2d_bytes", "backward_h2d_bytes",
                                                               "forward_d2h_bytes", "backward_d2h_bytes")},
-        base_policy=base,
+        base_policy=base, backward_s=max(0.0, total("backward_s")),
     )
 
 

@@ -11,6 +11,7 @@ from megacompile.cli.plan_command import DEFAULT_TRACED_LAYERS, DEVICE_PARAM_BYT
 from megacompile.cli.plan_command.digest import Trace
 from megacompile.cli.plan_command.full_depth import DepthPlan, _min_peak, choose_plan
 from megacompile.cli.plan_command.host_memory import OVERLAPPED_HOST_BYTES_PER_PARAM, host_bytes
+from megacompile.cli.plan_command.scale_out import scale_out
 from megacompile.cli.plan_command.search import SearchResult, search_largest
 from megacompile.cli.plan_command.text_report import format_text
 from megacompile.cli.plan_command.traced_layers import trace_model
@@ -36,6 +37,8 @@ class PlanResult:
     suggestions: list
     max_seq_len: dict | None
     method: dict
+    # --gpus / --nodes: the one-GPU plan carried to data parallel (scale_out.scale_out), or None.
+    scale_out: dict | None = None
     depth_plan: DepthPlan | None = dataclasses.field(default=None, repr=False)
     trace: Trace | None = dataclasses.field(default=None, repr=False)
 
@@ -66,14 +69,16 @@ def _where(at: tuple) -> str:
 def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: int, precision: str = "fp32",
                budget: int | None = None, host_memory: int | None = None, k: int = DEFAULT_TRACED_LAYERS,
                max_seq_len: bool = False, search: bool = True, seq_multiple: int = 128, max_probes: int = 5,
-               model_name: str | None = None) -> PlanResult:
+               model_name: str | None = None, data_parallel: dict | None = None) -> PlanResult:
     """Plan one training step of the model ``config`` on ``profile`` (see the module docstring).
 
     ``budget``: device bytes (default: the profile's HBM); ``host_memory``: host bytes
     (default: the profile's host memory; None there means unknown, not checked).
     ``max_seq_len``: also find the largest sequence length that fits. ``search``: when the
     step does not fit the device, find the largest batch / sequence length that does.
-    ``seq_multiple``: the grid of sequence lengths searched.
+    ``seq_multiple``: the grid of sequence lengths searched. ``data_parallel``: keyword
+    arguments of ``scale_out.scale_out`` (gpus, nodes, shard_optimizer, nic_bandwidth) to
+    predict the data-parallel step too; ``batch`` is then per GPU.
     """
     t_start = time.perf_counter()
     if precision not in PRECISIONS:
@@ -281,5 +286,7 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
             "probes": [{"batch": b, "seq_len": s} for (b, s) in traces],
             "seconds": timings,
         },
+        scale_out=(scale_out(plan, trace, profile, num_params=num_params, num_layers=num_layers,
+                             tokens_per_gpu=tokens, **data_parallel) if data_parallel is not None else None),
         depth_plan=plan, trace=trace,
     )

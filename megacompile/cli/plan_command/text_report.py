@@ -1,6 +1,7 @@
 """The table ``megacompile plan`` prints (``PlanResult.to_text``), from the ``--json`` object."""
 from __future__ import annotations
 
+from megacompile.cli.plan_command.scale_out import format_scale_out
 from megacompile.core.units import format_bytes
 
 
@@ -68,6 +69,8 @@ def format_text(r: dict) -> str:
         value = f"{ms['value']:,}" if ms["value"] else "none"
         lines += ["", f"max seq len        {value} at batch {ms['batch']} (grid {ms['grid']}; {ms['how']}; "
                       f"{len(ms['probes'])} probes)" + (f"; {ms['note']}" if ms.get("note") else "")]
+    if r.get("scale_out"):
+        lines += format_scale_out(r["scale_out"])
     lines.append("")
     if r["fits"]:
         lines.append("verdict            fits")

@@ -1,0 +1,136 @@
+"""``megacompile.data_parallel(model)``: a model replicated across the ranks of a torch.distributed job.
+
+Used like ``fully_shard`` / ``DistributedDataParallel``: every rank calls it once on its model,
+after ``init_process_group`` and before compiling the step. It checks that every rank holds
+the same parameters, makes them equal to rank 0's (and the buffers), and registers them: from
+then on a megatrain backward that computes their gradients averages them across the ranks
+(``runtime/data_parallel.py``), bucket by bucket while it runs. The model is returned as it is:
+the step compiled with ``backend="megatrain"`` is unchanged.
+
+The collectives run on process groups of their own, gloo over host memory (parameters and
+gradients live on the host), so they never interleave with collectives the user issues on the
+default group, whatever its backend (NCCL included).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megacompile.core.errors import DataParallelError
+from megacompile.runtime.data_parallel import DataParallelGroup, group_of, register
+from megacompile.runtime.shared_parameters import map_shared, why_not_shared
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # gloo's own default
+
+
+def data_parallel(model: torch.nn.Module, *, process_group=None, shard_optimizer: bool = False,
+                  shared_memory: bool = True,
+                  timeout: float | datetime.timedelta | None = None) -> torch.nn.Module:
+    """Make ``model`` data parallel over ``process_group`` (default: every rank).
+
+    ``shard_optimizer``: each rank keeps the Adam / AdamW state of, and updates, only its
+    shard of the parameters (about 1/world of the bytes, whole tensors, in parameter order);
+    the updated parameters are broadcast from their owner, so every rank ends the step with
+    the same parameters. Where every rank runs on one host (and ``shared_memory``), the
+    parameters live once per host in shared memory that every rank maps, and the owners'
+    updates need no broadcast (``runtime/shared_parameters.py``). ``timeout`` (seconds): how
+    long a collective may wait for the other ranks before the step fails with
+    ``DataParallelError``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise DataParallelError(
+            "megacompile.data_parallel() needs torch.distributed: launch with torchrun and call "
+            "torch.distributed.init_process_group() (backend 'gloo' on CPUs, 'nccl' or 'cpu:gloo,cuda:nccl' on "
+            "GPUs) before it")
+    if not isinstance(model, torch.nn.Module):
+        raise DataParallelError(f"megacompile.data_parallel() takes an nn.Module, not {type(model).__name__}")
+    named = [(n, p) for n, p in model.named_parameters()]
+    if not named:
+        raise DataParallelError("megacompile.data_parallel(): the model has no parameters")
+    for name, p in named:
+        if p.device.type != "cpu":
+            raise DataParallelError(
+                f"megacompile.data_parallel(): parameter '{name}' is on {p.device}; megatrain keeps parameters in "
+                f"host memory and streams them to each rank's GPU itself: keep the model on the CPU")
+    if group_of(p for _, p in named) is not None:
+        raise DataParallelError("megacompile.data_parallel(): this model is data parallel already")
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    timeout = timeout or _DEFAULT_TIMEOUT
+
+    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+    # Our own gloo groups: host tensors, and no interleaving with the user's collectives.
+    # (new_group is collective over the whole job: every rank takes part, member or not.)
+    reduce_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    broadcast_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) if shard_optimizer else None
+    if ranks is not None and dist.get_rank() not in ranks:
+        return model  # not a member: the groups exist, nothing to do here
+
+    _check_same_structure(model, reduce_group)
+    params = [p for _, p in named]
+    shared = False
+    if shard_optimizer and shared_memory:
+        why_not = why_not_shared(params, reduce_group)
+        if why_not is None:
+            map_shared(params, reduce_group)  # rank 0's values, one copy for the host
+            shared = True
+        else:
+            log.info("megacompile.data_parallel: parameters are not shared between the ranks: %s", why_not)
+    src = dist.get_global_rank(reduce_group, 0)
+    with torch.no_grad():
+        for t in ([] if shared else params) + list(model.buffers()):
+            dist.broadcast(t.data, src=src, group=reduce_group)
+    owners = _partition(params, dist.get_world_size(reduce_group)) if shard_optimizer else None
+    group = DataParallelGroup(reduce_group, broadcast_group, timeout, owners, shared_parameters=shared)
+    register([p for _, p in named], group)
+    return model
+
+
+def _check_same_structure(model: torch.nn.Module, group) -> None:
+    """Every rank must hold the same parameter names, shapes and dtypes, or the buckets of
+    the ranks' all-reduces would not pair up."""
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone):
+        if theirs != mine:
+            diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), (len(mine), len(theirs)))
+            raise DataParallelError(
+                f"megacompile.data_parallel(): rank {rank}'s model differs from rank {dist.get_rank(group)}'s "
+                f"(first difference: {diff[1]} there, {diff[0]} here); every rank must build the same model")
+
+
+def _partition(params: list[torch.Tensor], world: int) -> dict[int, int]:
+    """Owner rank of each parameter: contiguous runs in parameter order, about 1/world of the
+    bytes each (whole tensors: the fused kernel updates a tensor at a time)."""
+    total = sum(p.numel() * p.element_size() for p in params)
+    owners, seen = {}, 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        # The rank whose share the tensor's middle byte falls in.
+        owners[id(p)] = min(world - 1, (seen + nbytes // 2) * world // max(total, 1))
+        seen += nbytes
+    return owners
+
+
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module) -> Iterator[None]:
+    """Inside it, backward passes of ``model`` accumulate gradients locally without reducing
+    them (like ``DistributedDataParallel.no_sync``); the first backward after it reduces the
+    gradients accumulated so far along with its own."""
+    group = group_of(p for p in model.parameters())
+    if group is None:
+        raise DataParallelError("megacompile.no_sync(model): the model is not data parallel "
+                                "(call megacompile.data_parallel(model) first)")
+    previous, group.sync = group.sync, False
+    try:
+        yield
+    finally:
+        group.sync = previous
