@@ -250,27 +250,23 @@ def _backward_flops(grad_shape, hidden_shape, weight_shape, *args, **kwargs) -> 
     return 3 * 2 * hidden_shape[0] * hidden_shape[1] * weight_shape[0]
 
 
-def workspace_bytes(target, hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int, softcap: float,
+def workspace_bytes(target, tokens: int, vocab: int, width: int, itemsize: int, chunk_tokens: int, softcap: float,
                     triton: bool, weight_grad: bool = True) -> int:
     """Bytes one call holds beyond its inputs and outputs at its fullest (a chunk's buffers,
     the fp32 weight-gradient sum), for the chunk kernels it runs with (``triton``: the
-    runtime's, which read and overwrite the chunk's logits in place)."""
-    tokens = min(int(hidden.shape[0]), chunk_tokens)
-    vocab, width = int(weight.shape[0]), int(weight.shape[1])
-    size = weight.element_size()
-    logits = tokens * vocab  # elements of one chunk's logits
-    wide = size != 4
+    runtime's, which read and overwrite the chunk's logits in place). ``itemsize``: bytes per
+    element of the matmul's dtype."""
+    logits = min(tokens, chunk_tokens) * vocab  # elements of one chunk's logits
+    wide = itemsize != 4
     if target is FORWARD:
         if triton:
-            return logits * size
-        return logits * (size + 4) if wide else logits * 4
+            return logits * itemsize
+        return logits * (itemsize + 4) if wide else logits * 4
     if triton:
-        chunk = logits * size
+        chunk = logits * itemsize
     else:
-        chunk = max(logits * (size + 4) if wide else logits * 4, logits * 8 if softcap else 0)
-    if not weight_grad:
-        return chunk
-    if not wide:
-        return chunk  # accumulated straight into the gradient (addmm_)
-    # fp32 sum all along; at a chunk's end its logits' gradient and the chunk's product.
-    return vocab * width * 4 + max(chunk, logits * size + vocab * width * size)
+        chunk = max(logits * (itemsize + 4) if wide else logits * 4, logits * 8 if softcap else 0)
+    if not weight_grad or not wide:
+        return chunk  # (an fp32 weight's gradient is accumulated in place: addmm_)
+    # The fp32 sum all along; at a chunk's end its logits' gradient and the chunk's product.
+    return vocab * width * 4 + max(chunk, logits * itemsize + vocab * width * itemsize)
