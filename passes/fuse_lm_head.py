@@ -164,6 +164,9 @@ def _walk_to_projection(source: fx.Node, vocab: int, m: _Match) -> fx.Node:
         val = _val(cur)
         if val is None or val.dim() < 1 or val.shape[-1] != vocab:
             raise NotFused(f"{cur.name} does not keep the vocabulary as its last dimension")
+        if cur.op == "placeholder":
+            raise NotFused(f"the logits are an input of this graph ({cur.name}): a graph break lies between the "
+                           f"projection and the loss")
         m.erase.append(cur)
         if _is(cur, _LINEAR):
             return cur

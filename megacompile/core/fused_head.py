@@ -126,6 +126,14 @@ def _chunks(n: int, chunk_tokens: int):
         yield start, min(n, start + chunk_tokens)
 
 
+_PRODUCT_BLOCK_BYTES = 64 << 20
+
+
+def _block_rows(h: torch.Tensor) -> int:
+    """Vocabulary rows per block of a bf16 weight-gradient product: 64 MiB of it at a time."""
+    return max(1, _PRODUCT_BLOCK_BYTES // (h.shape[1] * h.element_size()))
+
+
 def _check(hidden, weight, bias, labels, chunk_tokens: int, reduction: str) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"megatrain lm_head_loss: hidden (tokens, H) and weight (vocab, H) expected, got "
@@ -196,8 +204,9 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight:
                               ignore_index)
         torch.mm(dz, weight, out=grad_hidden[start:end])
         if grad_weight is not None:
-            if wide:
-                grad_weight.add_(_tracked(torch.mm(dz.t(), h)))
+            if wide:  # the product in the matmul's dtype, a block of vocabulary rows at a time
+                for v0, v1 in _chunks(vocab, _block_rows(h)):
+                    grad_weight[v0:v1].add_(_tracked(torch.mm(dz[:, v0:v1].t(), h)))
             else:
                 grad_weight.addmm_(dz.t(), h)
         if grad_bias is not None:
@@ -268,5 +277,6 @@ def workspace_bytes(target, tokens: int, vocab: int, width: int, itemsize: int, 
         chunk = max(logits * (itemsize + 4) if wide else logits * 4, logits * 8 if softcap else 0)
     if not weight_grad or not wide:
         return chunk  # (an fp32 weight's gradient is accumulated in place: addmm_)
-    # The fp32 sum all along; at a chunk's end its logits' gradient and the chunk's product.
-    return vocab * width * 4 + max(chunk, logits * itemsize + vocab * width * itemsize)
+    # The fp32 sum all along; at a chunk's end its logits' gradient and one block of the product.
+    block = min(vocab, max(1, _PRODUCT_BLOCK_BYTES // (width * itemsize)))
+    return vocab * width * 4 + max(chunk, logits * itemsize + block * width * itemsize)
