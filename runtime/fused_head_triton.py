@@ -23,13 +23,18 @@ import torch
 
 from megacompile.core import fused_head
 
+try:  # an optional dependency (the `triton` extra); the kernels below are made only where it is installed
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover (then CUDA runs the torch chunk kernels)
+    triton = tl = None
+
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
     """The jitted kernels (``interpret``: the cache key; Triton reads TRITON_INTERPRET when
-    ``triton.jit`` runs)."""
-    import triton  # lazy: an optional dependency (the `triton` extra), needed only here
-    import triton.language as tl  # lazy: as above
+    ``triton.jit`` runs). The kernels name ``tl`` as a module global: the interpreter swaps
+    the module's ``tl`` for its own while a kernel runs."""
 
     @triton.jit
     def forward_kernel(z_ptr, labels_ptr, lse_ptr, loss_ptr, vocab, stride, softcap, ignore_index,
@@ -87,8 +92,6 @@ def _kernels(interpret: bool):
 
 
 def _interpreting() -> bool:
-    import triton  # lazy: optional dependency (see _kernels)
-
     return bool(triton.knobs.runtime.interpret)
 
 
@@ -125,7 +128,7 @@ TRITON_KERNELS = fused_head.ChunkKernels(_triton_forward, _triton_backward)
 def register_for_cuda() -> bool:
     """Chunks of calls on CUDA run the Triton kernels; False where Triton is not installed
     (the torch kernels run there instead)."""
-    if not fused_head.triton_importable():
+    if triton is None:
         return False
     fused_head.register_chunk_kernels("cuda", TRITON_KERNELS)
     return True

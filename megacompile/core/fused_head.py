@@ -113,6 +113,21 @@ def register_chunk_kernels(device_type: str, kernels: ChunkKernels) -> None:
     _KERNELS[device_type] = kernels
 
 
+@contextlib.contextmanager
+def using_chunk_kernels(device_type: str, kernels: ChunkKernels):
+    """Calls on ``device_type`` run ``kernels`` while active (tests run the Triton kernels on
+    the CPU this way, under TRITON_INTERPRET=1)."""
+    before = _KERNELS.get(device_type)
+    _KERNELS[device_type] = kernels
+    try:
+        yield
+    finally:
+        if before is None:
+            _KERNELS.pop(device_type, None)
+        else:
+            _KERNELS[device_type] = before
+
+
 def kernels_for(device: torch.device) -> ChunkKernels:
     return _KERNELS.get(device.type, TORCH_KERNELS)
 
