@@ -14,6 +14,7 @@ import copy
 import torch
 import torch.fx as fx
 
+from megacompile.core import fused_head
 from megacompile.core import torch_compat as compat
 from megacompile.core.enums import Phase, Placement, Role
 from megacompile.core.node_info import (
@@ -24,7 +25,6 @@ from megacompile.core.node_info import (
     normalize_module_path,
     set_nbytes,
 )
-from megacompile.core import fused_head
 from megacompile.core.ops import is_memory_op
 from megacompile.passes.contract import PassContract
 from megacompile.passes.fuse_lm_head import NOTE_KEY as HEAD_NOTE

@@ -298,7 +298,8 @@ def _rewrite(gm: fx.GraphModule, m: _Match, options) -> str:
     vocab = _val(projection).shape[-1]
     width = _val(m.hidden).shape[-1]
     chunk = options.fused_head_chunk_tokens(vocab)
-    keep = {k: projection.meta[k] for k in ("nn_module_stack", "source_fn_stack", "stack_trace") if k in projection.meta}
+    keep = {k: projection.meta[k] for k in ("nn_module_stack", "source_fn_stack", "stack_trace")
+            if k in projection.meta}
     with graph.inserting_before(m.loss):
         hidden = m.hidden
         for op in m.row_ops:

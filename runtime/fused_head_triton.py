@@ -106,8 +106,8 @@ def _triton_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
     lse = torch.empty(rows, dtype=torch.float32, device=z.device)
     loss = torch.empty(rows, dtype=torch.float32, device=z.device)
     if rows:
-        forward_kernel[(rows,)](z, labels.contiguous(), lse, loss, z.shape[1], z.stride(0), float(softcap or 1.0), ignore_index,
-                                HAS_CAP=bool(softcap), BLOCK=_block(z.shape[1]))
+        forward_kernel[(rows,)](z, labels.contiguous(), lse, loss, z.shape[1], z.stride(0), float(softcap or 1.0),
+                                ignore_index, HAS_CAP=bool(softcap), BLOCK=_block(z.shape[1]))
     return loss, lse
 
 
@@ -116,8 +116,8 @@ def _triton_backward(h, weight, bias, labels, lse, row_scale, softcap: float, ig
     z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
     rows = z.shape[0]
     if rows:
-        backward_kernel[(rows,)](z, labels.contiguous(), lse.contiguous(), row_scale.contiguous(), z.shape[1], z.stride(0),
-                                 float(softcap or 1.0), ignore_index, HAS_CAP=bool(softcap),
+        backward_kernel[(rows,)](z, labels.contiguous(), lse.contiguous(), row_scale.contiguous(), z.shape[1],
+                                 z.stride(0), float(softcap or 1.0), ignore_index, HAS_CAP=bool(softcap),
                                  BLOCK=_block(z.shape[1]))
     return z
 

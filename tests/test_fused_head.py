@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import COMPILED
-from reference_models import GPT, REFERENCE_MODELS, make_training_step, tiny_llama
+from reference_models import GPT, REFERENCE_MODELS, make_training_step
 from test_bf16 import STOCK_LOSS_RTOL
 
 import megacompile

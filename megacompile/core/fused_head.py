@@ -210,8 +210,10 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight:
     grad_hidden = _tracked(torch.empty_like(hidden, memory_format=torch.contiguous_format))
     # Weight gradient: accumulated in fp32 (a bf16 running sum would round at every chunk).
     wide = weight.dtype != torch.float32
-    grad_weight = (_tracked(torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)) if wide
-                   else _tracked(torch.zeros_like(weight, memory_format=torch.contiguous_format))) if weight_grad else None
+    grad_weight = None
+    if weight_grad:
+        grad_weight = _tracked(torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wide
+                               else torch.zeros_like(weight, memory_format=torch.contiguous_format))
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
     for start, end in _chunks(n, chunk_tokens):
         h = hidden[start:end]
