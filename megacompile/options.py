@@ -65,7 +65,8 @@ class Options:
     snapshots: bool | str = "auto"
     # Tokens per chunk of the fused LM head + loss (passes/fuse_lm_head.py; switched off by
     # disable_passes=["fuse_lm_head"]). "auto": as many as make 512 MiB of fp32 logits (a
-    # power of two, at least 16; 1024 for a 128k vocabulary).
+    # power of two, at least 16; 1024 for a 128k vocabulary), and a head whose logits fit in
+    # one chunk is not fused; an int: that many, and every recognised head is fused.
     head_chunk_tokens: int | str = "auto"
 
     def fused_head_chunk_tokens(self, vocab: int) -> int:

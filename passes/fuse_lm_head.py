@@ -17,6 +17,9 @@ Recognised, from the loss back to the projection, each step the only reader of t
 - the projection: ``F.linear`` (with or without bias) or ``x @ W.T``, with any weight, tied
   to the embedding or not.
 
+Under ``head_chunk_tokens="auto"`` a head whose logits fit in one chunk is left alone (fused,
+it would save nothing and run the head's matmul once more in the backward).
+
 The token indexing and reshapes are applied to the hidden state instead (they commute with a
 per-token projection), and the labels are flattened. A candidate loss that is not fused gets
 the reason in the Dynamo node's ``meta["custom"]``, which AOTAutograd copies to the aten nodes
@@ -31,6 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from megacompile.core import fused_head
+from megacompile.core.torch_compat import int_hint
 from megacompile.core.units import format_bytes
 from megacompile.passes.contract import PassContract
 
@@ -298,6 +302,11 @@ def _rewrite(gm: fx.GraphModule, m: _Match, options) -> str:
     vocab = _val(projection).shape[-1]
     width = _val(m.hidden).shape[-1]
     chunk = options.fused_head_chunk_tokens(vocab)
+    tokens = _tokens(_val(projection))
+    if options.head_chunk_tokens == "auto" and tokens <= chunk:
+        raise NotFused(f"its {tokens} tokens' logits ({format_bytes(tokens * vocab * 4)} in fp32) fit in one chunk "
+                       f"of head_chunk_tokens='auto' ({chunk}): fused, the backward would only run the head's "
+                       f"matmul once more (an int head_chunk_tokens fuses it anyway)")
     keep = {k: projection.meta[k] for k in ("nn_module_stack", "source_fn_stack", "stack_trace")
             if k in projection.meta}
     with graph.inserting_before(m.loss):
@@ -323,7 +332,7 @@ def _rewrite(gm: fx.GraphModule, m: _Match, options) -> str:
         new.meta.update(keep)
     loss.meta["example_value"] = m.loss.meta.get("example_value")
     itemsize = torch.tensor([], dtype=options.autocast_dtype or _val(projection).dtype).element_size()
-    chunk_bytes = min(chunk, max(1, _tokens(_val(m.loss), _val(projection)))) * vocab * itemsize
+    chunk_bytes = min(chunk, tokens) * vocab * itemsize
     note = (f"fused: {'cross-entropy' if not m.softcap else f'soft-capped ({m.softcap:g}) cross-entropy'} of the "
             f"projection to {vocab} classes, {m.reduction}, ignore_index {m.ignore_index}; {chunk} tokens per "
             f"chunk ({format_bytes(chunk_bytes)} of logits at a time)")
@@ -335,11 +344,9 @@ def _rewrite(gm: fx.GraphModule, m: _Match, options) -> str:
     return note
 
 
-def _tokens(loss_val, logits_val) -> int:
-    try:
-        return int(logits_val.numel() // logits_val.shape[-1])
-    except Exception:  # symbolic sizes: the chunk size bounds it
-        return 1 << 30
+def _tokens(logits_val) -> int:
+    """Tokens the projection makes logits for, at the traced example's sizes."""
+    return int_hint(logits_val.numel()) // int(logits_val.shape[-1])
 
 
 def run(gm: fx.GraphModule, ctx) -> None:

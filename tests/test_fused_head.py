@@ -176,6 +176,12 @@ def test_pass_says_why_it_does_not_fuse(case):
     assert len(seen["notes"]) == 1 and seen["notes"][0].startswith("not fused:") and why in seen["notes"][0]
 
 
+def test_auto_chunks_leave_a_head_that_fits_one_chunk_alone():
+    seen = _fused_by_pass(CASES["linear, cross_entropy on flattened logits"], *_head_inputs(), chunk="auto")
+    assert fused_head.FORWARD not in seen["targets"]
+    assert seen["notes"][0].startswith("not fused: its 14 tokens' logits"), seen["notes"]
+
+
 def test_head_chunk_tokens_option_is_checked():
     assert parse_options({"device": "cpu", "head_chunk_tokens": 64}).fused_head_chunk_tokens(128256) == 64
     assert parse_options({"device": "cpu"}).fused_head_chunk_tokens(128256) == 1024
