@@ -201,6 +201,9 @@ def _hf(name: str):
                   use_cache=False)
     if name == "qwen2":
         return T.Qwen2ForCausalLM(T.Qwen2Config(**common))
+    if name == "gemma2":  # logits soft-capped at 30, head tied to the embedding
+        return T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=16, final_logit_softcapping=30.0,
+                                                  attn_implementation="eager"))
     return T.LlamaForCausalLM(T.LlamaConfig(**common))
 
 
@@ -240,16 +243,16 @@ def _steps_with_loss(loss_of):
 _HF_LOSS = {  # GPT-2 with labels= graph-breaks on a transformers warning: its logits are the head's here
     "llama": lambda m, x, y: m(input_ids=x, labels=y).loss,  # HF's own shifted loss
     "qwen2": lambda m, x, y: m(input_ids=x, labels=y).loss,
+    "gemma2": lambda m, x, y: m(input_ids=x, labels=y).loss,
     "gpt2": lambda m, x, y: F.cross_entropy(m(input_ids=x).logits.reshape(-1, 96), y.reshape(-1)),
 }
 
 
-@pytest.mark.parametrize("name", ["gpt", "hf-llama", "hf-qwen2", "hf-gpt2"])
+@pytest.mark.parametrize("name", ["gpt", "hf-llama", "hf-qwen2", "hf-gpt2", "hf-gemma2"])
 def test_fp32_parity_with_the_pass(name):
     """Losses and parameters equal eager within 1e-5 over two AdamW steps (the head in
-    chunks of 8 of the 32 tokens; Llama and Qwen2 with transformers' own shifted loss, GPT-2's
-    head tied to its embedding). tests/test_parity.py runs the same models under a quarter of
-    their training state with the pass on."""
+    chunks of 8 of the 32 tokens; Llama, Qwen2 and Gemma 2 (soft-capped logits) with
+    transformers' own shifted loss, GPT-2's and Gemma 2's head tied to the embedding)."""
     torch.manual_seed(0)
     if name.startswith("hf-"):
         model, step_of = _hf(name[3:]), _steps_with_loss(_HF_LOSS[name[3:]])
