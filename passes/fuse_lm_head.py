@@ -191,6 +191,8 @@ def _walk_to_projection(source: fx.Node, vocab: int, m: _Match) -> fx.Node:
                 raise NotFused(f"the reshape {cur.name} moves the vocabulary dimension")
             m.row_ops.append(cur)
         elif _is(cur, {torch.flatten}, {"flatten"}):
+            if val.dim() < 2 or _val(first).shape[-1] != vocab:
+                raise NotFused(f"the flatten {cur.name} takes in the vocabulary dimension")
             m.row_ops.append(cur)
         elif _is(cur, (), {"contiguous"}):
             pass
