@@ -34,4 +34,4 @@ __all__ = [
 ]
 
 register_dynamo_backend(megatrain, "megatrain")
-register_torch_logs()  # TORCH_LOGS="megatrain": README, "Logs"
+register_torch_logs()  # TORCH_LOGS="megatrain": docs/guide.md, "Logs"

@@ -37,7 +37,7 @@ from megacompile.report import RECORDER
 from megacompile.runtime import trace
 from megacompile.runtime.device import get_device
 
-# TORCH_LOGS="megatrain" (README, "Logs"); the capture stage logs the phases that follow.
+# TORCH_LOGS="megatrain" (docs/guide.md, "Logs"); the capture stage logs the phases that follow.
 log = logging.getLogger(__name__)
 
 
@@ -163,6 +163,7 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     captured = PassContext(opts, "dynamo", TrainingPlan(), names, roles)
     run_passes(gm, captured, keep_snapshots=opts.keeps_snapshots)
     device = get_device(opts.device)
+    device.pinned.limit(opts.pinned_host_memory)
     if opts.autocast_dtype is not None:
         # Traced on host tensors (the parameters live there), so autocast's CPU op lists
         # decide which ops run in bf16, whatever device runs the program.

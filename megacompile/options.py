@@ -31,6 +31,10 @@ INSPECT_ENV = "MEGACOMPILE_INSPECT"
 class Options:
     device: str = "cuda"
     memory_budget: int | None = None  # bytes; None: the whole device
+    # Most host bytes the runtime page-locks (pinned parameters, bf16 weight copies, landing
+    # buffers); past it tensors stay pageable and their copies synchronous. None: no cap.
+    # Process-wide: the smallest cap any compiled step gives wins.
+    pinned_host_memory: int | None = None
     # "fp32": fp32 weights, gradients, optimizer states and compute. "bf16": compute under
     # torch.autocast(bfloat16); weights cross to the device in bf16 and gradients come back in
     # bf16, while fp32 master weights, fp32 gradients and fp32 optimizer states stay on the host.
@@ -135,6 +139,11 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         )
     if raw.get("memory_budget") is not None:
         kw["memory_budget"] = parse_bytes(raw["memory_budget"])
+    if raw.get("pinned_host_memory") is not None:
+        cap = raw["pinned_host_memory"]
+        # 0 is a cap too: pin nothing.
+        pin_nothing = cap == 0 and not isinstance(cap, bool)
+        kw["pinned_host_memory"] = 0 if pin_nothing else parse_bytes(cap, "pinned_host_memory")
     if "precision" in raw:
         kw["precision"] = _choice("precision", raw["precision"], PRECISIONS)
     if "lowering" in raw:

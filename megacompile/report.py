@@ -61,6 +61,10 @@ class StepReport:
     # CUDA: the most the caching allocator reserved during the step (what nvidia-smi shows,
     # beside what tensors held); None on the CPU stand-in, which has no allocator cache.
     measured_reserved_device_bytes: int | None = None
+    # Host bytes the device runtime holds page-locked after the step (runtime/pinned_memory.py;
+    # the CPU stand-in pins nothing) and the cap on them (option pinned_host_memory).
+    pinned_host_bytes: int = 0
+    pinned_host_cap: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -76,6 +80,9 @@ class StepReport:
             f"  measured peak device {measured}",
             *([f"  reserved peak device {format_bytes(self.measured_reserved_device_bytes)} (the allocator's cache)"]
               if self.measured_reserved_device_bytes is not None else []),
+            *([f"  pinned host          {format_bytes(self.pinned_host_bytes)}"
+               + (f" (cap {format_bytes(self.pinned_host_cap)})" if self.pinned_host_cap is not None else "")]
+              if self.pinned_host_bytes or self.pinned_host_cap is not None else []),
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
@@ -204,7 +211,8 @@ class StepRecorder:
         self._pending = dict(graphs=list(graphs), held_at_start=list(cur["held_at_start"]), stats=stats,
                              measured=measured, reserved=reserved, host_graphs=list(cur["host_graphs"]),
                              optimizer=cur["optimizer"],
-                             staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped)
+                             staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped,
+                             pinned=(device.pinned.pinned, device.pinned.cap))
         self._last = None
 
     def last(self) -> StepReport | None:

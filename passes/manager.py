@@ -31,7 +31,7 @@ from megacompile.core.printer import format_graph
 from megacompile.passes import invariants
 from megacompile.passes.contract import PassContract, PassOrderError, check_order  # noqa: F401  (re-exported)
 
-# TORCH_LOGS="+megatrain": one line per pass run (README, "Logs").
+# TORCH_LOGS="+megatrain": one line per pass run (docs/guide.md, "Logs").
 log = logging.getLogger(__name__)
 
 

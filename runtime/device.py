@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megacompile.runtime import trace
+from megacompile.runtime.pinned_memory import PinnedHostBudget
 from megacompile.runtime.tracker import ArenaTracker, CudaTracker
 from megacompile.runtime.weight_copies import WeightCopies
 
@@ -62,8 +64,10 @@ class StreamingDevice:
         # Transient host copies the program makes (bf16 gradients before their fp32 cast):
         # live and peak bytes.
         self.host_staging = ArenaTracker()
+        # Host memory this device page-locks, and the cap on it (option pinned_host_memory).
+        self.pinned = PinnedHostBudget()
         # The bf16 copies of host weights that loads carry (runtime/weight_copies.py).
-        self.weight_copies = WeightCopies(page_lock=self.page_locks_weight_copies)
+        self.weight_copies = WeightCopies(page_lock=self.page_locks_weight_copies, pinned=self.pinned)
 
     def reset_stats(self) -> None:
         self.stats = TransferStats()
@@ -173,15 +177,21 @@ class CudaDevice(StreamingDevice):
     def _pinned_source(self, host: torch.Tensor) -> torch.Tensor:
         if host.is_pinned() or host.device.type != "cpu":
             return host  # already pinned, or a user input that already lives on a GPU
+        nbytes = host.numel() * host.element_size()
+        if not self.pinned.try_pin(nbytes):
+            return host  # over the pinned-memory cap: a synchronous copy from pageable memory
         if isinstance(host, torch.nn.Parameter) or host.is_leaf:
             # Host-resident parameters live in pinned memory from their first load on, so
             # every later copy is a true asynchronous DMA (values are unchanged).
             try:
                 host.data = host.data.pin_memory()
+                weakref.finalize(host, self.pinned.release, nbytes)
                 return host
             except RuntimeError:
                 pass
-        return host.pin_memory()
+        staged = host.pin_memory()
+        weakref.finalize(staged, self.pinned.release, nbytes)
+        return staged
 
     def load(self, host, name, layer, track=True):
         src = self._pinned_source(host)
@@ -202,8 +212,12 @@ class CudaDevice(StreamingDevice):
     def offload(self, device_tensor, name, layer):
         if device_tensor.device.type == "cpu":
             return device_tensor
+        nbytes = device_tensor.numel() * device_tensor.element_size()
+        pin = self.pinned.try_pin(nbytes)
         host = torch.empty_strided(device_tensor.shape, device_tensor.stride(), dtype=device_tensor.dtype,
-                                   device="cpu", pin_memory=True)
+                                   device="cpu", pin_memory=pin)
+        if pin:
+            weakref.finalize(host, self.pinned.release, nbytes)
         compute = torch.cuda.current_stream(self.torch_device)
         self.d2h_stream.wait_stream(compute)
         recorder = trace.active()
@@ -216,7 +230,6 @@ class CudaDevice(StreamingDevice):
         # The device copy must not be reused before the DMA has read it.
         device_tensor.record_stream(self.d2h_stream)
         self._events[host] = event
-        nbytes = device_tensor.numel() * device_tensor.element_size()
         self.stats.add("d2h", layer, nbytes)
         if recorder is not None:
             recorder.add_cuda_copy("d2h", name, {"layer": layer, "bytes": nbytes}, copy_start, event)

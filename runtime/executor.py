@@ -34,6 +34,7 @@ from megacompile.core.enums import Role
 from megacompile.core.errors import PartialUpdateError
 from megacompile.core.node_info import has_info, info, is_view_node
 from megacompile.core.torch_compat import no_dispatch_modes
+from megacompile.runtime import profiler_ranges
 from megacompile.runtime import trace as _trace
 from megacompile.runtime.device import StreamingDevice
 from megacompile.runtime.gradient_sink import GradientSink
@@ -388,8 +389,8 @@ class StreamingProgram:
         # Called at the start of each call: the GradientSink that takes returned gradients as
         # they land (the overlapped optimizer's lander), or None for the default sink.
         self.make_sink = make_sink
-        # Set to a list to record (instruction, device bytes live after it): debugging aid
-        # for comparing the measured curve with the plan's.
+        # Set to a list to record (instruction name, device bytes live after it) over the last
+        # run: the measured curve beside the plan's (`megacompile inspect --plot`).
         self.memory_log: list | None = None
         self._build()
 
@@ -464,9 +465,11 @@ class StreamingProgram:
             sink = _RETURN_EVERYTHING
         recorder = _trace.active()
         program_start = time.perf_counter_ns() if recorder is not None else 0
+        # While a torch profiler records, the run and each instruction are its ranges too.
+        program_range = profiler_ranges.ProfilerRange("graphs", self.label) if profiler_ranges.profiling() else None
         failed = False
         try:
-            return self._run(args, sink, recorder)
+            return self._run(args, sink, recorder, program_range is not None)
         except BaseException as error:
             failed = True
             # Updates already submitted finish before anyone can look at the parameters.
@@ -481,10 +484,12 @@ class StreamingProgram:
             if recorder is not None:  # the program's event encloses the updates it waited for
                 recorder.add_program(self.label, program_start, time.perf_counter_ns(),
                                      {"instructions": len(self.instructions)})
+            if program_range is not None:
+                program_range.close()
             if self.on_finish is not None:
                 self.on_finish()
 
-    def _run(self, args: list, sink: GradientSink, recorder) -> Any:
+    def _run(self, args: list, sink: GradientSink, recorder, profiled: bool) -> Any:
         env: list = [None] * self.num_slots
         for s, value in zip(self.input_slots, args):
             env[s] = value
@@ -492,22 +497,29 @@ class StreamingProgram:
         for s in self.free_at_start:
             env[s] = None
         device = self.device
+        if self.memory_log is not None:
+            self.memory_log.clear()
         call = Call(env, device, sink, track=self.lowering == "eager", share=self.share_host_memory,
                     compile=self._compile)
         # The stand-in's tracker sees op outputs; the fused head's chunk buffers are inside
         # one op, so that op reports them (on CUDA the allocator sees everything).
         with (fused_head.observe_workspace(device.track) if call.track and device.kind == "cpu"
               else contextlib.nullcontext()):
-            result = self._run_instructions(call, env, recorder)
+            result = self._run_instructions(call, env, recorder, profiled)
         env.clear()
         return result
 
-    def _run_instructions(self, call: Call, env: list, recorder) -> Any:
+    def _run_instructions(self, call: Call, env: list, recorder, profiled: bool) -> Any:
         device = self.device
         for instr in self.instructions:
             if recorder is not None:
                 instr_start = time.perf_counter_ns()
-            if instr.run(call) is SKIPPED:
+            if profiled:
+                with profiler_ranges.ProfilerRange(_lane(device, instr), instr.name):
+                    outcome = instr.run(call)
+            else:
+                outcome = instr.run(call)
+            if outcome is SKIPPED:
                 continue
             if recorder is not None:
                 _record_instruction(recorder, device, instr, env, instr_start)
@@ -536,6 +548,10 @@ _RETURN_EVERYTHING = GradientSink()
 _COMPUTE_LANES = {"op": "compute", "segment": "compute", "const": "compute", "wait": "wait", "evict": "evict"}
 
 
+def _lane(device: StreamingDevice, instr: Instruction) -> str:
+    return device.trace_copy_lanes.get(instr.kind) or _COMPUTE_LANES.get(instr.kind, "compute")
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -547,7 +563,7 @@ def _nbytes(value: Any) -> int:
 def _record_instruction(recorder, device: StreamingDevice, instr: Instruction, env: list, start_ns: int) -> None:
     """One finished instruction as a trace event (only while ``trace_runtime`` is active)."""
     end_ns = time.perf_counter_ns()
-    lane = device.trace_copy_lanes.get(instr.kind) or _COMPUTE_LANES.get(instr.kind, "compute")
+    lane = _lane(device, instr)
     values = [env[s] for s in instr.traced_slots()]
     args = {"kind": instr.kind, "layer": instr.layer, "bytes": _nbytes(values)}
     recorder.add_instruction(lane, instr.name, start_ns, end_ns, args)

@@ -16,15 +16,9 @@ loops once per target (on x86-64: ``"x86-64"`` baseline, ``"x86-64-v3"`` AVX2+FM
 supports. All targets give bitwise the same results (only correctly rounded IEEE
 operations); ``target=`` picks one explicitly, e.g. to test or benchmark it.
 
-Public API::
-
-    host_adam_available() -> HostAdamStatus        # falsy with .reason if no kernel;
-                                                    # .target, .compiled_targets, .cpu_targets
-    load_extension(verbose=False)                   # build/load; raises HostAdamUnavailable
-    library_path()                                  # the loaded .so, once loaded
-    fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2,
-                    eps, weight_decay, decoupled, maximize, num_threads=None, target=None)
-    torch_fused_adam_step(...)                      # same signature, torch's fused CPU op
+Public API: ``host_adam_available()`` (falsy with ``.reason`` where no kernel), ``load_extension``,
+``library_path``, ``fused_adam_step`` and ``torch_fused_adam_step`` (torch's fused CPU op,
+same signature).
 
 The build cache lives in ``$TORCH_EXTENSIONS_DIR/<name>`` if that variable is set, else
 ``~/.cache/megacompile/torch_extensions/<name>``; ``<name>`` names the targets built in and
@@ -198,7 +192,7 @@ def _build(baseline_only: bool, verbose: bool) -> Path:
 
 
 def load_extension(verbose: bool = False):
-    """Builds (first call on a machine: ~15 s on 2 cores) and loads the kernel; returns the op namespace.
+    """Builds (first call on a machine) and loads the kernel; returns the op namespace.
 
     Raises :class:`HostAdamUnavailable` with the reason if it cannot be built. A failure is
     remembered for the life of the process so that callers can fall back cheaply.

@@ -15,18 +15,18 @@ one track (``tid``) per lane:
 - ``h2d`` / ``d2h``: parameter and activation loads, gradient and activation offloads. On the
   CPU stand-in the copy happens where it is issued. On CUDA these lanes hold the copies'
   real times from CUDA events on the copy streams, and ``h2d enqueue`` / ``d2h enqueue`` the
-  CPU time to issue them (the CUDA part is untested: no GPU in this repository's CI);
+  CPU time to issue them;
 - ``wait``: the compute side waiting for a copy;
 - ``host optimizer``: the optimizer graph run on the host;
 - ``graphs``: one event per forward / backward program run, enclosing its instructions.
 
 ``span(lane, name, **args)`` records any other piece of work, from any thread; work on a
 lane from a second thread gets its own track (``"host optimizer [worker-1]"``), so events
-on one track never overlap. With no trace active ``span`` and the executor's checks cost one
-global read.
-
-``evict`` (a device copy's release point) and ``host`` (host graphs that are not the
-optimizer) are lanes too.
+on one track never overlap. While a ``torch.profiler`` records, the same spans are also its
+``record_function`` ranges (``runtime/profiler_ranges.py``); this Chrome trace is for
+machines without CUPTI or a profiler. With neither active, ``span`` and the executor's
+checks cost a global read and an attribute read.
+``evict`` (a device copy's release point) and ``host`` (other host graphs) are lanes too.
 """
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ from typing import Any, Iterator
 
 import torch
 
+from megacompile.runtime import profiler_ranges
+
 # The active recorder, or None. Read without a lock: a reference read is atomic, and a
 # recorder that ends while a span is open still accepts the event (it is simply not written).
-_ACTIVE: "TraceRecorder | None" = None
+_ACTIVE: "TraceRecorder | _Fanout | None" = None
 _ACTIVE_LOCK = threading.Lock()
 
 _STREAM_THREAD = -1  # the "thread" of events timed on CUDA streams
@@ -165,8 +167,35 @@ class TraceRecorder:
             json.dump(data, f)
 
 
-def active() -> TraceRecorder | None:
-    """The recorder of the active trace, or None (the executor reads this once per run)."""
+class _Fanout:
+    """Traces open inside one another (a script's own ``trace_runtime`` inside the one
+    ``megacompile inspect --plot`` records): every event goes to each of them."""
+
+    def __init__(self, recorders: tuple[TraceRecorder, ...]) -> None:
+        self.recorders = recorders
+
+    def add(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add(*args)
+
+    def add_instruction(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add_instruction(*args)
+
+    def add_program(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add_program(*args)
+
+    def add_cuda_copy(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add_cuda_copy(*args)
+
+
+_OPEN: list[TraceRecorder] = []  # the traces open now, outermost first
+
+
+def active() -> "TraceRecorder | _Fanout | None":
+    """What records events now, or None (the executor reads this once per run)."""
     return _ACTIVE
 
 
@@ -174,19 +203,20 @@ def active() -> TraceRecorder | None:
 def trace_runtime(path: str | os.PathLike) -> Iterator[TraceRecorder]:
     """Record the runtime's lanes while the block runs; write Chrome trace JSON to ``path`` on exit.
 
-    Traces do not nest: starting one while another is active raises ``RuntimeError``.
+    Traces nest: inside another trace's block, both record what runs (each file has its own
+    events, timed from its own start).
     """
     global _ACTIVE
     recorder = TraceRecorder(path)
     with _ACTIVE_LOCK:
-        if _ACTIVE is not None:
-            raise RuntimeError(f"a runtime trace is already being recorded (to {_ACTIVE.path})")
-        _ACTIVE = recorder
+        _OPEN.append(recorder)
+        _ACTIVE = recorder if len(_OPEN) == 1 else _Fanout(tuple(_OPEN))
     try:
         yield recorder
     finally:
         with _ACTIVE_LOCK:
-            _ACTIVE = None
+            _OPEN.remove(recorder)
+            _ACTIVE = None if not _OPEN else _OPEN[0] if len(_OPEN) == 1 else _Fanout(tuple(_OPEN))
         recorder.write()
 
 
@@ -204,25 +234,30 @@ _NULL_SPAN = _NullSpan()
 
 
 class _Span:
-    __slots__ = ("recorder", "lane", "name", "args", "start")
+    __slots__ = ("recorder", "lane", "name", "args", "start", "range")
 
-    def __init__(self, recorder: TraceRecorder, lane: str, name: str, args: dict) -> None:
+    def __init__(self, recorder: TraceRecorder | None, lane: str, name: str, args: dict) -> None:
         self.recorder, self.lane, self.name, self.args = recorder, lane, name, args
 
     def __enter__(self) -> None:
         self.start = time.perf_counter_ns()
+        self.range = profiler_ranges.ProfilerRange(self.lane, self.name) if profiler_ranges.profiling() else None
 
     def __exit__(self, *exc: Any) -> None:
-        self.recorder.add(self.lane, self.name, self.start, time.perf_counter_ns(), self.args)
+        if self.range is not None:
+            self.range.close()
+        if self.recorder is not None:
+            self.recorder.add(self.lane, self.name, self.start, time.perf_counter_ns(), self.args)
 
 
 def span(lane: str, name: str, **args: Any):
-    """A context manager recording ``name`` on ``lane`` while a trace is active (any thread).
+    """A context manager recording ``name`` on ``lane`` while a trace is active (any thread),
+    and opening a ``torch.profiler`` range while a profiler records (``profiler_ranges``).
 
-    ``args`` appear in the event's details (layer, bytes, ...). With no active trace it
+    ``args`` appear in the event's details (layer, bytes, ...). With neither active it
     returns a shared no-op context manager.
     """
     recorder = _ACTIVE
-    if recorder is None:
+    if recorder is None and not profiler_ranges.profiling():
         return _NULL_SPAN
     return _Span(recorder, lane, name, args)

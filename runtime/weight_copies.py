@@ -2,7 +2,7 @@
 
 Autocast casts each fp32 weight to bf16 before its matmul; ``host_casts`` runs that cast on
 the host so the load carries 2 bytes per element. Made afresh before every load, the casts
-held the host thread for most of a bf16 step (README, "Measured results"). Instead each weight
+held the host thread for most of a bf16 step (docs/results.md). Instead each weight
 has one bf16 copy, made at its first load and kept: the host optimizer rewrites it in the same
 pass as its update (``fused_adam_step(bf16_copies=...)``), and a load takes it as it is.
 
@@ -25,6 +25,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megacompile.core import torch_compat as compat
+from megacompile.core.host_memory import check_host_allocation
+from megacompile.runtime.pinned_memory import PinnedHostBudget
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,8 +47,9 @@ class WeightCopyStats:
 class WeightCopies:
     """One low-precision copy per host weight, held while the weight lives."""
 
-    def __init__(self, page_lock: bool) -> None:
+    def __init__(self, page_lock: bool, pinned: PinnedHostBudget | None = None) -> None:
         self.page_lock = page_lock
+        self.pinned = pinned  # the device's cap on page-locked bytes (None: no cap)
         self.stats = WeightCopyStats()
         self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._lock = threading.Lock()
@@ -71,12 +74,17 @@ class WeightCopies:
             return entry.tensor
 
     def _make(self, weight: torch.Tensor, dtype: torch.dtype) -> _Copy:
+        check_host_allocation(weight.numel() * dtype.itemsize, f"the {dtype} copy of a weight of shape "
+                              f"{tuple(weight.shape)} (precision='bf16' keeps one per weight on the host)")
         copy = torch.empty(weight.shape, dtype=dtype)  # contiguous: what the kernel writes
         with torch.no_grad():
             copy.copy_(weight)
-        if self.page_lock:
+        nbytes = copy.numel() * copy.element_size()
+        if self.page_lock and (self.pinned is None or self.pinned.try_pin(nbytes)):
             compat.register_host_memory(copy)
             weakref.finalize(copy, compat.unregister_host_memory, copy.data_ptr())
+            if self.pinned is not None:
+                weakref.finalize(copy, self.pinned.release, nbytes)
         entry = _Copy(copy, compat.tensor_version(weight), weight.data_ptr())
         self._copies[weight] = entry
         return entry

@@ -198,3 +198,32 @@ def test_cuda_template_plan_of_marked_llama_layers(lowering):
     report = megacompile.last_report()
     assert report.measured_peak_device_bytes <= budget
     assert abs(report.measured_peak_device_bytes - plan.peak_bytes) <= 0.05 * report.measured_peak_device_bytes
+
+
+def test_cuda_pinned_host_memory_cap_keeps_tensors_pageable_and_results_equal():
+    """``pinned_host_memory=0``: nothing is page-locked (copies from pageable memory are
+    synchronous), and the step still trains exactly like eager."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
+    torch.manual_seed(0)
+    model = ctor()
+    reference = copy.deepcopy(model).cuda()
+    step, _ = make_training_step(model, loss_fn)
+    eager_step, _ = make_training_step(reference, loss_fn)
+    device = get_device("cuda")
+    pinned_before, refused_before = device.pinned.pinned, device.pinned.refused
+    try:
+        step = torch.compile(step, backend="megatrain", options={
+            "device": "cuda", "lowering": "eager", "memory_budget": training_state_bytes(model) // 4,
+            "pinned_host_memory": 0})
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = make_batch(gen)
+            torch.testing.assert_close(step(x, y), eager_step(x.cuda(), y.cuda()).cpu(), rtol=1e-5, atol=0)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q.cpu(), rtol=0, atol=1e-5)
+            assert not p.is_pinned()
+        assert device.pinned.pinned <= pinned_before and device.pinned.refused > refused_before
+        assert megacompile.last_report().pinned_host_cap == 0
+    finally:
+        device.pinned.cap = None

@@ -110,3 +110,23 @@ def test_a_host_that_cannot_hold_the_optimizer_state_gets_an_error_before_alloca
     torch._dynamo.reset()
     assert torch.isfinite(step(x, y))
     assert all(opt.state[p] for p in model.parameters())
+
+
+def test_a_host_that_cannot_hold_the_bf16_weight_copies_gets_an_error_before_allocation(monkeypatch):
+    """Under ``precision="bf16"`` each weight gets a persistent bf16 copy on the host at its
+    first load: each is checked against the host's available memory before it is allocated."""
+    from megacompile.core import host_memory
+
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
+    torch.manual_seed(0)
+    model = ctor(depth=3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step, opt = make_training_step(model, loss_fn)
+    step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager",
+                                                             "precision": "bf16"})
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 16)
+    with pytest.raises(megacompile.HostMemoryError, match="bfloat16 copy of a weight") as info:
+        step(*make_batch(torch.Generator().manual_seed(1)))
+    assert info.value.available_bytes == 16 and info.value.needed_bytes > 16
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not any(opt.state[p] for p in model.parameters())

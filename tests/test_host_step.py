@@ -207,3 +207,27 @@ def test_a_compiled_model_in_an_eager_loop_steps_on_the_host_kernel():
     assert has_host_step(opt)
     assert "optimizer (host, fused AdamW)" in megacompile.last_report().host_graphs
     assert_same(model, reference, opt, ref_opt)
+
+
+def test_the_owner_of_a_wrapped_optimizer_is_the_wrapped_one():
+    """An ``Optimizer`` subclass that delegates to the optimizer it holds as ``.optimizer``
+    (accelerate's ``AcceleratedOptimizer``, which ``transformers.Trainer`` steps) is not a
+    second owner of the parameters; two independent optimizers over them are."""
+    from megacompile.optimizer.ownership import optimizer_of
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+    model = MLP(depth=1)
+    params = {id(p): p for p in model.parameters()}
+    inner = torch.optim.AdamW(model.parameters())
+    wrapper = Wrapper(inner)
+    assert optimizer_of(params) is inner
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert optimizer_of(params) is None
+    del wrapper, other

@@ -201,12 +201,13 @@ def test_every_package_is_installed():
 
 
 def test_docstrings_are_short_and_hold_no_history():
-    """Docstrings say what and why in a few lines (issue 16): none over 40 lines, and no dates;
-    history, timings and measurements live in benchmarks/results/ and docs/."""
+    """Docstrings say what and why in a few lines (issue 16): none over 30 lines, no dates and
+    no timings (a number of seconds); history, timings and measurements live in
+    benchmarks/results/ and docs/."""
     import ast
     import re
 
-    long, dated = [], []
+    long, dated, timed = [], [], []
     for path in _modules().values():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
@@ -215,9 +216,12 @@ def test_docstrings_are_short_and_hold_no_history():
             if not doc:
                 continue
             where = f"{path.relative_to(ROOT)}:{getattr(node, 'name', '<module>')}"
-            if doc.count("\n") >= 40:
+            if doc.count("\n") >= 30:
                 long.append(f"{where} ({doc.count(chr(10)) + 1} lines)")
             if re.search(r"\b20\d\d-\d\d-\d\d\b", doc):
                 dated.append(where)
-    assert not long, f"docstrings over 40 lines (move the detail to docs/architecture.md): {long}"
+            if re.search(r"\b\d+(\.\d+)?\s?(ms|us|s)\b", doc):
+                timed.append(where)
+    assert not long, f"docstrings over 30 lines (move the detail to docs/architecture.md): {long}"
     assert not dated, f"dates in docstrings (history belongs in benchmarks/results/ or docs/): {dated}"
+    assert not timed, f"timings in docstrings (measurements belong in benchmarks/results/ or docs/): {timed}"

@@ -82,3 +82,17 @@ def test_torch_requirement_admits_this_torch():
     low = tuple(int(x) for x in bounds[">="].split(".")[:2])
     high = tuple(int(x) for x in bounds["<"].split(".")[:2])
     assert low <= version < high, (spec, torch.__version__)
+
+
+def test_readme_is_a_front_door_and_its_links_exist():
+    """Issue 20, item 7: the README stays short (~15 KB) and the documents it sends readers
+    to exist."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = (root / "README.md").read_text(encoding="utf-8")
+    assert len(text.encode()) <= 16_000, len(text.encode())
+    for cmd in ("./run demo", "./run test"):
+        assert cmd in text
+    linked = set(re.findall(r"`(docs/[\w./-]+\.md)`", text))
+    assert {"docs/results.md", "docs/guide.md", "docs/architecture.md"} <= linked, linked
+    for path in linked:
+        assert (root / path).exists(), path

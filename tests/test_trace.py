@@ -182,12 +182,23 @@ def test_span_from_worker_threads_gets_its_own_track(tmp_path):
     assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
 
 
-def test_traces_do_not_nest(tmp_path):
-    with megacompile.trace_runtime(tmp_path / "a.json"):
-        with pytest.raises(RuntimeError, match="already"):
-            with megacompile.trace_runtime(tmp_path / "b.json"):
+def test_traces_nest(tmp_path):
+    """A trace opened inside another (a script's own, under `megacompile inspect --plot`):
+    both record what runs inside the inner one; the outer one also what runs outside it."""
+    with megacompile.trace_runtime(tmp_path / "outer.json"):
+        with trace.span("host", "before"):
+            pass
+        with megacompile.trace_runtime(tmp_path / "inner.json"):
+            with trace.span("host", "inside"):
                 pass
-    assert (tmp_path / "a.json").exists() and not (tmp_path / "b.json").exists()
+        with trace.span("host", "after"):
+            pass
+    names = {}
+    for which in ("outer", "inner"):
+        events = json.loads((tmp_path / f"{which}.json").read_text())["traceEvents"]
+        names[which] = [e["name"] for e in events if e["ph"] == "X"]
+    assert names == {"outer": ["before", "inside", "after"], "inner": ["inside"]}
+    assert trace.active() is None
 
 
 @pytest.mark.inductor

@@ -43,6 +43,9 @@ class CompiledGraph:
     # Inductor lowering: how many distinct segments were compiled and how many repeats reused
     # one (runtime.segment_cache.SegmentCacheStats).
     segment_stats: Any = None
+    # Under `megacompile inspect`, where the device measures: "forward" / "backward" -> the
+    # last run's (instruction name, device bytes live after it) (``StreamingProgram.memory_log``).
+    memory_logs: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
@@ -75,7 +78,8 @@ class CompiledGraph:
         return _merge_step_reports(graphs, reports, held_at_start, host, num_params)
 
     def make_report(self, stats, measured: int | None, host_graphs: list[str], optimizer=None,
-                    staging_peak: int = 0, overlap: dict | None = None, reserved: int | None = None) -> StepReport:
+                    staging_peak: int = 0, overlap: dict | None = None, reserved: int | None = None,
+                    pinned: tuple[int, int | None] = (0, None)) -> StepReport:
         """The step's report from its transfer counters (``device.stats``), measured peaks, the
         optimizer whose state counts as host memory, and the overlapped optimizer's stats."""
         plan = self.plan
@@ -124,6 +128,8 @@ class CompiledGraph:
             planned_peak_device_bytes=plan.peak_bytes,
             measured_peak_device_bytes=measured,
             measured_reserved_device_bytes=reserved,
+            pinned_host_bytes=pinned[0],
+            pinned_host_cap=pinned[1],
             h2d_bytes=stats.h2d_bytes,
             d2h_bytes=stats.d2h_bytes,
             recomputed_ops=list(plan.recomputed_ops),

@@ -44,6 +44,7 @@ from megacompile.plan.hardware import get_profile
 from megacompile.plan.memory_estimate import (
     allocation_granularity,
     estimate_memory,
+    estimate_program_pair,
     storage_root_bytes,
     storage_roots,
 )
@@ -54,7 +55,7 @@ from megacompile.runtime.executor import StreamingProgram
 from megacompile.runtime.segment_cache import SegmentCache
 
 _graph_counter = itertools.count()
-# TORCH_LOGS="megatrain": each compile phase with its time, and the plan chosen (README, "Logs").
+# TORCH_LOGS="megatrain": each compile phase with its time, and the plan chosen (docs/guide.md, "Logs").
 log = logging.getLogger(__name__)
 
 
@@ -129,10 +130,8 @@ class TrainingCompiler:
             run_passes(fw, fctx, keep_snapshots=snapshots)
             bctx = self._ctx("backward", plan)
             run_passes(bw, bctx, keep_snapshots=snapshots)
-            how = dict(lowering=self.options.lowering, granularity=allocation_granularity(self.options.device))
-            plan.forward = estimate_memory(fw, keep_outputs_alive=True, **how)
-            plan.backward = estimate_memory(bw, keep_outputs_alive=False, input_storage=storage_roots(fw),
-                                            input_storage_bytes=storage_root_bytes(fw, how["granularity"]), **how)
+            plan.forward, plan.backward = estimate_program_pair(
+                fw, bw, self.options.lowering, allocation_granularity(self.options.device))
             return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
 
         return build
@@ -201,7 +200,8 @@ class TrainingCompiler:
             raise BudgetError(
                 f"megatrain: {self.record.label} is planned within memory_budget={format_bytes(budget)} less "
                 f"{what}: {e}" + (f" For the whole step: at least {minimum}." if minimum else ""),
-                minimum_budget=minimum, limiting_layer=e.limiting_layer) from None
+                minimum_budget=minimum, limiting_layer=e.limiting_layer,
+                streaming_floor=e.streaming_floor) from None
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, num_fwd_outputs: int):
         started = time.perf_counter()
@@ -421,7 +421,10 @@ def lower_with(options: Options, device):
         # program that shares it may still read it (the overlapped optimizer updates a layer
         # mid-backward, and only a separate copy keeps the backward's reads from seeing it).
         share = device.shares_host_memory and not record.measures_peak and not options.overlaps_optimizer
-        return StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
-                                label=f"{record.label} {part}", check_inputs=check, share_host_memory=share)
+        program = StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
+                                   label=f"{record.label} {part}", check_inputs=check, share_host_memory=share)
+        if options.keeps_snapshots and record.measures_peak:  # inspect: the measured curve for --plot
+            program.memory_log = record.memory_logs.setdefault(part, [])
+        return program
 
     return lower

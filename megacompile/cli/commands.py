@@ -3,6 +3,9 @@
     megacompile inspect train.py --steps 2            # run a script, print what megatrain compiled
     megacompile inspect --out dump/ train.py          # ... and write one file per pass snapshot
     megacompile inspect --format json -m examples.train_llama --steps 1
+    megacompile inspect --format onnx --out dump/ train.py  # the rewritten programs as ONNX models
+    megacompile inspect --plot --out dump/ train.py   # ... and PNGs: memory timeline, runtime lanes
+    megacompile plot steps.json                       # a runtime trace's lanes as a PNG
     megacompile calibrate --quick                     # measure this machine's hardware profile
     megacompile --version
 
@@ -26,6 +29,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, NamedTuple, Sequence
 
 from megacompile.capture.records import recording
+from megacompile.cli import plot_command
 from megacompile.cli.plan_command import command as plan_command
 from megacompile.core import torch_compat as _torch_compat
 from megacompile.core.units import format_bytes
@@ -37,6 +41,7 @@ from megacompile.options import INSPECT_ENV
 from megacompile.passes import known_pass_names
 from megacompile.plan import calibrate
 from megacompile.report import last_report
+from megacompile.runtime.trace import trace_runtime
 
 PROG = "megacompile"
 
@@ -44,7 +49,7 @@ PROG = "megacompile"
 # --- megacompile inspect --------------------------------------------------------------------
 
 GRAPH_KINDS = ("joint", "forward", "backward", "inference", "optimizer", "host")
-FORMATS = ("text", "json")
+FORMATS = ("text", "json", "onnx")
 
 
 _INSPECT_EPILOG = """\
@@ -59,7 +64,14 @@ names with commas, to select more.
 Text output: without --out, every snapshot is printed; with --out DIR they are written to
 DIR/<graph-label>/<NN>-<graph>-<stage>.py (NN = position in that graph's pipeline) and
 DIR/summary.txt, and only the summary is printed. JSON output: printed, or written to
-DIR/inspect.json with --out. Files an earlier run left in DIR stay; summary.txt lists this
+DIR/inspect.json with --out. ONNX output (needs --out and the onnx package, pip install
+"megacompile[onnx]"): each rewritten program as DIR/<graph-label>/{forward,backward}.onnx,
+viewable in Netron; megatrain's memory ops are nodes of the domain "megatrain".
+
+--plot (needs --out and matplotlib, pip install "megacompile[plot]") records a runtime trace
+while the script runs (DIR/runtime-trace.json) and draws DIR/<graph-label>/memory.png (device
+memory per node: planned, measured where measured, the budget, layers, the peak) and
+DIR/runtime-lanes.png (the last step's lanes). Files an earlier run left in DIR stay; summary.txt lists this
 run's. The script's own stdout is sent to stderr, so inspect's stdout holds only its output.
 """
 
@@ -70,14 +82,17 @@ def _add_inspect_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="write the output under DIR instead of printing all of it")
     parser.add_argument("--format", choices=FORMATS, default=None,
-                        help="text (default) or json")
+                        help="text (default), json, or onnx (one model per program; needs --out)")
+    parser.add_argument("--plot", action="store_true", default=None,
+                        help="also draw PNGs of the memory timeline and the runtime lanes (needs --out)")
     parser.add_argument("--stage", metavar="NAME", action="append", default=None,
                         help="only these snapshots (repeatable; see below)")
 
 
 def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     # argparse would print the REMAINDER positional as "..."; spell it out.
-    parser.usage = "%(prog)s [-h] [--out DIR] [--format {text,json}] [--stage NAME] [-m] SCRIPT [ARGS ...]"
+    parser.usage = ("%(prog)s [-h] [--out DIR] [--format {text,json,onnx}] [--plot] [--stage NAME] [-m] "
+                    "SCRIPT [ARGS ...]")
     parser.epilog = _INSPECT_EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     _add_inspect_options(parser)
@@ -103,6 +118,7 @@ class _LateOptionParser(argparse.ArgumentParser):
 def _take_inspect_options(tokens: list[str]) -> tuple[list[str], list[str]]:
     """Splits the arguments after SCRIPT into (inspect's options, the script's arguments)."""
     takes_value = {"--out", "--format", "--stage"}
+    flags = {"--plot"}
     ours: list[str] = []
     theirs: list[str] = []
     i = 0
@@ -112,7 +128,9 @@ def _take_inspect_options(tokens: list[str]) -> tuple[list[str], list[str]]:
             theirs.extend(tokens[i + 1:])
             break
         name = tok.split("=", 1)[0]
-        if name in takes_value:
+        if tok in flags:
+            ours.append(tok)
+        elif name in takes_value:
             ours.append(tok)
             if "=" not in tok:
                 if i + 1 >= len(tokens):
@@ -431,7 +449,13 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def _emit(dump: _Dump, fmt: str, out: str | None) -> None:
+def _emit(dump: _Dump, fmt: str, out: str | None, files: list[str]) -> None:
+    """Prints or writes the dump; ``files`` are the ONNX models and pictures already written."""
+    if fmt == "onnx":
+        summary_path = os.path.join(out, "summary.txt")
+        _write(summary_path, dump.summary(files))
+        sys.stdout.write(dump.summary([*files, summary_path]))
+        return
     if fmt == "json":
         text = json.dumps(dump.as_dict(), indent=2) + "\n"
         if out is None:
@@ -439,6 +463,8 @@ def _emit(dump: _Dump, fmt: str, out: str | None) -> None:
         else:
             _write(os.path.join(out, "inspect.json"), text)
             print(f"wrote {os.path.join(out, 'inspect.json')}", file=sys.stderr)
+        for path in files:
+            print(f"wrote {path}", file=sys.stderr)
         return
     if out is None:
         sys.stdout.write(dump.summary())
@@ -450,6 +476,7 @@ def _emit(dump: _Dump, fmt: str, out: str | None) -> None:
         # The header as comments keeps the file valid to syntax-highlight as Python.
         _write(os.path.join(out, rel), f"# megacompile inspect: {header}\n{text}")
         written.append(os.path.join(out, rel))
+    written += files
     summary_path = os.path.join(out, "summary.txt")
     _write(summary_path, dump.summary(written))
     sys.stdout.write(dump.summary([*written, summary_path]))
@@ -471,13 +498,20 @@ def run_inspect(args: argparse.Namespace) -> int:
         late_parser.parse_args(late, namespace=args)
     fmt = args.format or "text"
     filters = _parse_stage_filters(args.stage)
+    for wanted, module, extra in ((fmt == "onnx", "onnx", "onnx"), (args.plot, "matplotlib", "plot")):
+        what = "--format onnx" if module == "onnx" else "--plot"
+        if wanted and args.out is None:
+            raise _UsageError(f"{what} writes files: give the directory with --out DIR")
+        if wanted and importlib.util.find_spec(module) is None:
+            raise _UsageError(f"{what} needs the {module} package: pip install \"megacompile[{extra}]\"")
 
 
     # Report only this script's graphs; and forget Dynamo's cache, or a function compiled
     # earlier in this process would be a cache hit here and show nothing.
     _torch_compat.reset_dynamo()
     shown = f"-m {script}" if args.as_module else script
-    with recording() as records:
+    trace_path = os.path.join(args.out, "runtime-trace.json") if args.plot else None
+    with recording() as records, (trace_runtime(trace_path) if trace_path else contextlib.nullcontext()):
         try:
             run_script(script, script_args, args.as_module)
         except ScriptFailed as e:
@@ -494,7 +528,16 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"{PROG} inspect: no snapshot matches --stage {', '.join(args.stage)}", file=sys.stderr)
         return 1
     dump = _Dump(shown, records, _directory_names(records), selected, _report_for(records))
-    _emit(dump, fmt, args.out)
+    files: list[str] = []
+    if fmt == "onnx":
+        from megacompile.cli import onnx_program  # lazy: needs the optional onnx package
+
+        files += onnx_program.write_programs(records, dump.directories, args.out)
+    if args.plot:
+        from megacompile.cli import plots  # lazy: needs the optional matplotlib package
+
+        files += [trace_path, *plots.write_pictures(records, dump.directories, trace_path, args.out)]
+    _emit(dump, fmt, args.out, files)
     return 0
 
 
@@ -513,6 +556,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("calibrate", "measure this machine (matmul, host<->device bandwidth, host AdamW) into a "
                "hardware profile", calibrate.add_arguments, calibrate.run),
     Subcommand(*plan_command.SUBCOMMAND),
+    Subcommand(*plot_command.SUBCOMMAND),
 )
 
 

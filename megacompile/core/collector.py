@@ -2,9 +2,8 @@
 
 A compile creates hundreds of thousands of objects that live on (fx nodes and their meta,
 fake tensors, the programs' instructions). Each collection their allocations trigger walks
-them all again, and a full collection lands somewhere in the compile at random: on the
-benchmark Llama it cost 1.5 s of a 16-layer compile, up to 4.9 s inside the lowering of
-a 128-layer one (benchmarks/compile_time.py --breakdown, 'collector on' row). The backend
+them all again, and a full collection lands somewhere in the compile at random (what it
+cost: benchmarks/compile_time.py --breakdown, 'collector on' row). The backend
 pauses the collector while AOTAutograd traces and megatrain partitions (``backend.megatrain``)
 and while a rewritten graph becomes a program (``capture.TrainingCompiler``'s compile
 callbacks). Cycles made meanwhile are collected as usual once it runs again; peak memory was

@@ -24,13 +24,16 @@ class BudgetError(MegacompileError, ValueError):
     """The model cannot be trained under the device memory budget.
 
     ``minimum_budget`` is the smallest budget the planner could meet and ``limiting_layer``
-    the layer whose working set sets it.
+    the layer whose working set sets it. ``streaming_floor`` (bytes, where the planner
+    computed it) is what streaming layer by layer needs at least (``plan/streaming_floor.py``).
     """
 
-    def __init__(self, message: str, minimum_budget: int, limiting_layer: str):
+    def __init__(self, message: str, minimum_budget: int, limiting_layer: str,
+                 streaming_floor: int | None = None):
         super().__init__(message)
         self.minimum_budget = minimum_budget
         self.limiting_layer = limiting_layer
+        self.streaming_floor = streaming_floor
 
 
 class PartialUpdateError(MegacompileError, RuntimeError):

@@ -19,7 +19,7 @@ Fields
 - ``decision`` / ``reason``: the plan's decision for this value and why (save / offload /
   recompute / stream / resident), shown by ``megacompile inspect``. Decisions the planner
   made per saved activation or per parameter give its price in the reason (``planner:
-  offload frees 4.00 KiB ... for 1.37 us of copies``, ``small and read by both passes``).
+  offload frees 4.00 KiB ... for <time> of copies``, ``small and read by both passes``).
 """
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ def describe_value(val: Any) -> str:
     return type(val).__name__ if val is not None else "none"
 
 
-def _target_name(node: fx.Node) -> str:
+def target_name(node: fx.Node) -> str:
+    """How the program text names the node's op: ``aten.sum.dim_IntList``, ``megatrain.load``."""
     t = node.target
     if isinstance(t, compat.OpOverload):
         ns = t.namespace
@@ -92,7 +93,7 @@ def format_graph(gm: fx.GraphModule, title: str) -> str:
             lines.append(f"    {node.name} = self.{node.target}{_comment(node)}")
             continue
         args = [_fmt_arg(a) for a in node.args] + [f"{k}={_fmt_arg(v)}" for k, v in node.kwargs.items()]
-        call = f"{_target_name(node)}({', '.join(args)})"
+        call = f"{target_name(node)}({', '.join(args)})"
         if node.meta.get("val") is None and not node.users and node.op == "call_function":
             lines.append(f"    {call}{_comment(node)}")
         else:

@@ -315,8 +315,8 @@ class invoke_subgraph_schema_memo:
 
     Under autograd, every call of an ``invoke_subgraph`` body first derives the body's
     schema to refuse in-place input mutation (``HigherOrderOperator.py_autograd_impl``), and
-    ``invoke_subgraph.gen_schema`` re-traces the whole body to do so: about 0.1 s per call of a
-    small decoder layer, for every layer. The schema depends on the body (one per identifier
+    ``invoke_subgraph.gen_schema`` re-traces the whole body to do so, at every call, for every
+    layer. The schema depends on the body (one per identifier
     within a graph) and on its operands' metadata only, so it is kept for the duration of
     one AOTAutograd call, keyed by both. Where the operator or its ``gen_schema`` is missing
     (another release), nothing is changed.
@@ -408,3 +408,27 @@ def register_host_memory(t: torch.Tensor) -> None:
 
 def unregister_host_memory(data_ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(data_ptr)
+
+
+# --- torch.profiler -----------------------------------------------------------------------
+_autograd_profiler = torch.autograd.profiler
+
+
+def profiler_enabled() -> bool:
+    """Whether any torch profiler (``torch.profiler.profile``, ``emit_nvtx``, ``emit_itt``) is
+    recording in this process: the process-wide flag torch sets for its own fast checks, one
+    attribute read, true on every thread (the C++ ``_profiler_enabled()`` is per thread)."""
+    return _autograd_profiler._is_profiler_enabled
+
+
+def nvtx_profiler_on_this_thread() -> bool:
+    """Whether ``emit_nvtx`` is active on this thread (its record_function ranges already
+    become NVTX ranges, so a second, explicit one would duplicate them)."""
+    return torch._C._autograd._profiler_type() == torch._C._profiler.ActiveProfilerType.NVTX
+
+
+def profile_all_threads_config() -> Any:
+    """``experimental_config`` for ``torch.profiler.profile`` that records threads the profiler
+    did not start (megatrain's host optimizer worker); without it only the thread that
+    entered the profiler is recorded."""
+    return torch.profiler._ExperimentalConfig(profile_all_threads=True)

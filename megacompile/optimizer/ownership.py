@@ -12,16 +12,19 @@ import torch.fx as fx
 
 
 def optimizer_of(tensors: dict[int, torch.Tensor]) -> torch.optim.Optimizer | None:
-    """The one live optimizer holding any of ``tensors`` (by id), or None (none, or two)."""
-    found = None
+    """The one live optimizer holding any of ``tensors`` (by id), or None (none, or two).
+
+    A wrapper that is an ``Optimizer`` itself and delegates to the one it holds as
+    ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, which the Hugging Face Trainer
+    steps) is not a second optimizer: the wrapped one is the owner."""
+    found = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.optim.Optimizer):  # type(): no __class__ properties run
             params = [p for group in obj.param_groups for p in group["params"]]
             if params and any(id(p) in tensors for p in params):
-                if found is not None and found is not obj:
-                    return None  # two optimizers share these tensors: do not guess
-                found = obj
-    return found
+                found[id(obj)] = obj
+    owners = [obj for obj in found.values() if id(vars(obj).get("optimizer")) not in found]
+    return owners[0] if len(owners) == 1 else None  # two optimizers share these tensors: do not guess
 
 
 def fused_kernel_runs(opt: torch.optim.Optimizer, devices: tuple[str, ...] = ("cpu",)) -> bool:

@@ -41,7 +41,7 @@ MiB = 1024**2
 
 @dataclass(frozen=True)
 class _Sizes:
-    """How big and how many: quick mode trades accuracy for a run under ~10 s on a small CPU."""
+    """How big and how many: quick mode trades accuracy for a short run on a small CPU."""
 
     matmul_n: int
     copy_bytes: int

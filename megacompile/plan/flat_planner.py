@@ -44,6 +44,7 @@ from megacompile.passes.stream_parameters import layer_runs
 from megacompile.plan.cost_model import annotate_costs, cost, is_cpu_standin, simulate, step_time
 from megacompile.plan.memory_estimate import storage_root
 from megacompile.plan.solvers import SOLVERS, Option
+from megacompile.plan.streaming_floor import StreamingFloor, streaming_floor
 from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 
 
@@ -378,7 +379,8 @@ def plan_training(
         a = make(PlanSpec(name="recompute", default_policy=Policy.RECOMPUTE))
         if fits(a):
             return a
-        _raise([a], budget)
+        keep = make(PlanSpec(name="keep"))
+        _raise([a], budget, _floor(keep, layers))
 
     # Partial residency needs the passes that make a parameter resident and stream the rest.
     streams_and_keeps_resident = ("resident_loads" in facts_after("joint", options.disable_passes)
@@ -459,6 +461,18 @@ def plan_training(
                               value_policy=per_value, value_reason=reasons))
             a.plan.layer_costs = {g.root: dataclasses.asdict(g.options[j]) for g, j in zip(groups, picks)}
             candidates.append(a)
+    # The streaming minimum: every layer replayed from its input, and the inputs themselves
+    # on the host (offloaded in the forward, loaded back one layer ahead of its backward),
+    # so the backward holds one layer's boundary instead of all of them. Added after the
+    # mixes so their spans (keep .. floor) and hence the plans at larger budgets stay as they were.
+    if recompute_all is not None and recompute_all.plan.saved_values:
+        streaming = make(PlanSpec(
+            name="recompute, layer inputs offloaded (all layers)", default_policy=Policy.RECOMPUTE,
+            value_policy={v: Policy.OFFLOAD for v in recompute_all.plan.saved_values},
+            value_reason={v: "layer input of a replayed layer, kept on the host until its backward"
+                          for v in recompute_all.plan.saved_values}))
+        if streaming.peak < recompute_all.peak:
+            candidates.append(streaming)
 
     # Keep a ladder along which, as the peak grows, predicted time strictly falls and the
     # recompute count never rises; a budget then takes the last rung that fits. A larger
@@ -479,7 +493,7 @@ def plan_training(
     ladder = _ladder(candidates)
     fitting = [c for c in ladder if fits(c)]
     if not fitting:
-        _raise(candidates, budget)
+        _raise(candidates, budget, _floor(keep, layers))
     chosen = fitting[-1]
     chosen.plan.reason = (
         f"keeping every activation needs {format_bytes(keep.peak)} > budget {format_bytes(budget)}; "
@@ -550,14 +564,20 @@ def _load_stalls(attempt: Attempt, profile, precision: str) -> dict[str, float]:
     return stalls
 
 
-def _raise(attempts: list[Attempt], budget: int | None) -> None:
+def _floor(keep: Attempt, layers: list[str]) -> StreamingFloor:
+    return streaming_floor(keep.forward, keep.backward, layers, _saved_device_bytes_by_layer(keep))
+
+
+def _raise(attempts: list[Attempt], budget: int | None, floor: StreamingFloor) -> None:
     best = min(attempts, key=lambda a: a.peak).plan
     raise BudgetError(
         f"megatrain: memory_budget={format_bytes(budget)} is too small for this training step. "
         f"The smallest plan needs {format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes) of device "
-        f"memory, set by layer '{best.limiting_layer}' (plan '{best.policy}'). Raise memory_budget to at "
+        f"memory, set by layer '{best.limiting_layer}' (plan '{best.policy}'); the streaming floor is "
+        f"{floor.describe()} ({best.peak_bytes / max(floor.bytes, 1):.2f}x of it). Raise memory_budget to at "
         f"least {best.peak_bytes}, or shrink that layer's working set (smaller batch or sequence length, "
         f"or prefetch_depth=0).",
         minimum_budget=best.peak_bytes,
         limiting_layer=str(best.limiting_layer),
+        streaming_floor=floor.bytes,
     )

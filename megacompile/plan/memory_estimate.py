@@ -226,3 +226,20 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
             est.peak_node = node.name if node is not None else "<end>"
             est.peak_layer = current_layer
     return est
+
+
+def estimate_program_pair(forward: fx.GraphModule, backward: fx.GraphModule | None, lowering: str,
+                          granularity: int, curves: tuple[list, list] | None = None,
+                          ) -> tuple[MemoryEstimate, MemoryEstimate | None]:
+    """The estimates of a graph's forward and backward, as the planner makes them: the forward
+    hands its outputs (saved values) on where there is a backward, and the backward's saved
+    inputs are the forward's storages. ``curves``: two lists to fill with each program's
+    (node name, live bytes)."""
+    fw_curve, bw_curve = curves if curves is not None else (None, None)
+    how = dict(lowering=lowering, granularity=granularity)
+    fw = estimate_memory(forward, keep_outputs_alive=backward is not None, curve=fw_curve, **how)
+    if backward is None:
+        return fw, None
+    bw = estimate_memory(backward, keep_outputs_alive=False, curve=bw_curve, input_storage=storage_roots(forward),
+                         input_storage_bytes=storage_root_bytes(forward, granularity), **how)
+    return fw, bw
