@@ -31,7 +31,8 @@ from megacompile.optimizer import eager_update_watch
 from megacompile.optimizer.host_step import fused_step_for, host_step_label, take_step_out_of_trace
 from megacompile.optimizer.ownership import optimizer_of_graph
 from megacompile.options import Options, parse_options
-from megacompile.passes import GraphSnapshot
+from megacompile.passes import GraphSnapshot, PassContext, run_passes
+from megacompile.plan.training_plan import TrainingPlan
 from megacompile.report import RECORDER
 from megacompile.runtime import trace
 from megacompile.runtime.device import get_device
@@ -158,6 +159,9 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     if reason is not None:
         return _fallback(gm, example_inputs, opts, reason)
 
+    # Graph passes on Dynamo's graph (the fused LM head + loss), before AOTAutograd traces it.
+    captured = PassContext(opts, "dynamo", TrainingPlan(), names, roles)
+    run_passes(gm, captured, keep_snapshots=opts.keeps_snapshots)
     device = get_device(opts.device)
     device.pinned.limit(opts.pinned_host_memory)
     if opts.autocast_dtype is not None:
@@ -165,6 +169,7 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
         # decide which ops run in bf16, whatever device runs the program.
         compat.wrap_in_autocast(gm, "cpu", opts.autocast_dtype)
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
+    compiler.captured_snapshots = captured.snapshots
     log.info("%s: compiling a graph of %d nodes (%d parameters) for %s; capturing it with AOTAutograd",
              compiler.record.label, len(gm.graph.nodes), roles.count("param"), opts.device)
     try:

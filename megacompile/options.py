@@ -67,6 +67,17 @@ class Options:
     # and linting the whole program after each pass was a tenth of a compile's growth per
     # layer. "auto": only while `megacompile inspect` runs the script.
     snapshots: bool | str = "auto"
+    # Tokens per chunk of the fused LM head + loss (passes/fuse_lm_head.py; switched off by
+    # disable_passes=["fuse_lm_head"]). "auto": as many as make 512 MiB of fp32 logits (a
+    # power of two, at least 16; 1024 for a 128k vocabulary), and a head whose logits fit in
+    # one chunk is not fused; an int: that many, and every recognised head is fused.
+    head_chunk_tokens: int | str = "auto"
+
+    def fused_head_chunk_tokens(self, vocab: int) -> int:
+        if self.head_chunk_tokens != "auto":
+            return int(self.head_chunk_tokens)
+        fitting = max(1, (512 << 20) // (4 * max(1, vocab)))
+        return max(16, 1 << (fitting.bit_length() - 1))
 
     @property
     def keeps_snapshots(self) -> bool:
@@ -162,6 +173,12 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         if not isinstance(raw["snapshots"], bool) and raw["snapshots"] != "auto":
             raise OptionsError(f"option snapshots={raw['snapshots']!r} must be True, False or 'auto'")
         kw["snapshots"] = raw["snapshots"]
+    if "head_chunk_tokens" in raw:
+        chunk = raw["head_chunk_tokens"]
+        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise OptionsError(f"option head_chunk_tokens={chunk!r} must be 'auto' or an int >= 1 (tokens per chunk "
+                               f"of the fused LM head + loss)")
+        kw["head_chunk_tokens"] = chunk
     if "disable_passes" in raw:
         names = raw["disable_passes"]
         if isinstance(names, str):

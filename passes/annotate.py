@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import copy
 
+import torch
 import torch.fx as fx
 
+from megacompile.core import fused_head
 from megacompile.core import torch_compat as compat
 from megacompile.core.enums import Phase, Placement, Role
 from megacompile.core.node_info import (
@@ -25,6 +27,7 @@ from megacompile.core.node_info import (
 )
 from megacompile.core.ops import is_memory_op
 from megacompile.passes.contract import PassContract
+from megacompile.passes.fuse_lm_head import NOTE_KEY as HEAD_NOTE
 
 CONTRACT = PassContract(
     name="annotate",
@@ -44,6 +47,28 @@ def _module_path(node: fx.Node) -> str:
 def _param_layer(name: str) -> str | None:
     module_path = name.rsplit(".", 1)[0] if "." in name else ""
     return layer_of_module_path(module_path) if module_path else None
+
+
+_LOSS_OPS = {torch.ops.aten.nll_loss_forward.default}
+
+
+def _backward_note(node: fx.Node) -> str:
+    return (f"fused (backward): each chunk of {node.args[6]} tokens makes its logits again and adds to the "
+            f"gradients")
+
+
+def _workspace(node: fx.Node, options) -> int:
+    """The fused head's working set at the traced sizes, for the chunk kernels it will run
+    with (Triton on CUDA where it is installed, torch ops elsewhere)."""
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+    if node.target is fused_head.FORWARD:
+        hidden, weight, chunk, softcap, weight_grad = vals[0], vals[1], vals[4], vals[7], False
+    else:
+        hidden, weight, chunk, softcap, weight_grad = vals[1], vals[2], vals[6], vals[9], vals[10]
+    triton = options.device == "cuda" and fused_head.triton_importable()
+    vocab, width = (compat.int_hint(d) for d in weight.shape)
+    return fused_head.workspace_bytes(node.target, compat.int_hint(hidden.shape[0]), vocab, width,
+                                      weight.element_size(), chunk, softcap, triton, weight_grad)
 
 
 def run(gm: fx.GraphModule, ctx) -> None:
@@ -92,6 +117,16 @@ def run(gm: fx.GraphModule, ctx) -> None:
             else:
                 ni.phase = Phase.BACKWARD
             val = node.meta.get("val")
+            # (AOTAutograd copies the Dynamo node's note to every aten node traced from it:
+            # shown on the fused ops, and on the loss where it was not fused.)
+            note = (node.meta.get("custom") or {}).get(HEAD_NOTE)
+            ni.head_fusion = note if node.target in _LOSS_OPS else None
+            if node.target is fused_head.FORWARD:
+                ni.head_fusion = note
+            if node.target is fused_head.BACKWARD:
+                ni.head_fusion = _backward_note(node)
+            if node.target in fused_head.OPS:
+                ni.workspace_bytes = _workspace(node, ctx.options)
             # Views and tuple-producing ops own no bytes: the base / the getitems do.
             if is_view_node(node) or isinstance(val, (tuple, list)):
                 ni.nbytes, ni.nbytes_hint = 0, 0

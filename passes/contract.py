@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-STAGES = ("joint", "forward", "backward", "inference")
+# "dynamo": the graph Dynamo captured, before AOTAutograd traces it.
+STAGES = ("dynamo", "joint", "forward", "backward", "inference")
 
 # Facts the compiler needs at the end of a stage, whatever was switched off.
 STAGE_RESULTS = {"joint": frozenset({"annotated", "recompute_applied"})}

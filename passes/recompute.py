@@ -14,8 +14,9 @@ The plan gives a policy per layer (``plan.layer_policy``):
 In both, views of host inputs (``t(weight)``) and host casts (``host_casts``: a parameter cast
 to bf16 on the host) are never saved: the backward re-derives them from the host tensor, so
 no parameter copy stays on the device (or on the host) from forward to backward.
-Random ops are always saved (replaying them would draw new numbers), and so is every op that
-reads an input the step updates in place (BatchNorm's ``_native_batch_norm_legit_functional``
+Random ops are always saved (replaying them would draw new numbers), so is the fused LM
+head's log-sum-exp (a replay would run the head's whole matmul to save 4 bytes a token), and so
+is every op that reads an input the step updates in place (BatchNorm's ``_native_batch_norm_legit_functional``
 reads the running statistics, which AOTAutograd overwrites with their new values once the
 forward has run): replayed in the backward, it would read the updated buffer, whose version
 autograd also refuses for a saved tensor. The running statistics are updated once, by the
@@ -33,7 +34,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from megacompile.core import ops
+from megacompile.core import fused_head, ops
 from megacompile.core import torch_compat as compat
 from megacompile.core.node_info import info, is_view_node
 from megacompile.passes.contract import PassContract
@@ -191,6 +192,8 @@ class SavedValueWalk:
             """Why the backward cannot replay ``n`` (None: it can)."""
             if _is_random(n):
                 return "random op: replay would differ"
+            if n.target is fused_head.FORWARD:
+                return "fused LM head: its log-sum-exp is 4 bytes a token, a replay the head's whole matmul"
             for i in n.all_input_nodes if self.mutated else ():
                 for root in _host_view_roots(i, view_memo) or ():
                     if root in self.mutated:

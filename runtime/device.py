@@ -167,6 +167,9 @@ class CudaDevice(StreamingDevice):
         super().__init__()
         self.torch_device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self.tracker = CudaTracker(self.torch_device)
+        from megacompile.runtime import fused_head_triton  # lazy: imports Triton (optional), for CUDA only
+
+        fused_head_triton.register_for_cuda()
         self.h2d_stream = torch.cuda.Stream(self.torch_device)
         self.d2h_stream = torch.cuda.Stream(self.torch_device)
         # Copy-completion events by tensor, weakly held so a dropped tensor drops its event.

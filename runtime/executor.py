@@ -20,6 +20,7 @@ the host go through the call's ``GradientSink`` (``runtime/gradient_sink.py``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import time
 from typing import Any, Callable
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from megacompile.core import ops
+from megacompile.core import fused_head, ops
 from megacompile.core import torch_compat as compat
 from megacompile.core.enums import Role
 from megacompile.core.errors import PartialUpdateError
@@ -500,6 +501,16 @@ class StreamingProgram:
             self.memory_log.clear()
         call = Call(env, device, sink, track=self.lowering == "eager", share=self.share_host_memory,
                     compile=self._compile)
+        # The stand-in's tracker sees op outputs; the fused head's chunk buffers are inside
+        # one op, so that op reports them (on CUDA the allocator sees everything).
+        with (fused_head.observe_workspace(device.track) if call.track and device.kind == "cpu"
+              else contextlib.nullcontext()):
+            result = self._run_instructions(call, env, recorder, profiled)
+        env.clear()
+        return result
+
+    def _run_instructions(self, call: Call, env: list, recorder, profiled: bool) -> Any:
+        device = self.device
         for instr in self.instructions:
             if recorder is not None:
                 instr_start = time.perf_counter_ns()
@@ -516,9 +527,7 @@ class StreamingProgram:
                 self.memory_log.append((instr.name, device.tracker.current))
             for s in instr.frees:
                 env[s] = None
-        result = resolve(self.output_template, env)
-        env.clear()
-        return result
+        return resolve(self.output_template, env)
 
 
 def _partial_update_error(label: str, updated: list, error: BaseException) -> PartialUpdateError:

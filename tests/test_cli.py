@@ -114,20 +114,21 @@ def test_inspect_out_writes_one_file_per_snapshot(train_script, tmp_path, capsys
         f"only the training graph has forward/backward snapshots: {graph_dirs}"
     label = graph_dirs[0]
     names = sorted(os.listdir(out_dir / label))
-    # NN counts each snapshot's position in the graph's pipeline (joint 00-04 are unselected).
+    # NN counts each snapshot's position in the graph's pipeline (dynamo 00-01 and joint 02-06
+    # are unselected).
     assert names == [
-        "05-forward-captured.py", "06-forward-annotate.py", "07-forward-host_casts.py",
-        "08-forward-stream_parameters.py", "09-forward-offload_gradients.py", "15-backward-offload_gradients.py",
+        "07-forward-captured.py", "08-forward-annotate.py", "09-forward-host_casts.py",
+        "10-forward-stream_parameters.py", "11-forward-offload_gradients.py", "17-backward-offload_gradients.py",
     ]
-    streamed = (out_dir / label / "08-forward-stream_parameters.py").read_text()
+    streamed = (out_dir / label / "10-forward-stream_parameters.py").read_text()
     assert streamed.splitlines()[0].startswith(
-        f"# megacompile inspect: {label} [08] forward / stream_parameters -- pass stream_parameters: created")
+        f"# megacompile inspect: {label} [10] forward / stream_parameters -- pass stream_parameters: created")
     assert "megatrain.load(" in streamed
-    assert "megatrain.offload(" in (out_dir / label / "15-backward-offload_gradients.py").read_text()
+    assert "megatrain.offload(" in (out_dir / label / "17-backward-offload_gradients.py").read_text()
 
     summary = (out_dir / "summary.txt").read_text()
     assert "policy keep" in summary and "megatrain step report" in summary
-    assert str(out_dir / label / "05-forward-captured.py") in summary
+    assert str(out_dir / label / "07-forward-captured.py") in summary
     # With --out, stdout has the summary only, not the graphs.
     assert "def program(" not in printed and "files:" in printed
 
@@ -144,7 +145,7 @@ def test_inspect_json_of_a_module(train_script, tmp_path, capsys, monkeypatch):
         assert [s["stage"] for s in stages[graph]] == ["captured", *passes]
     last_forward = stages["forward"][-1]
     assert last_forward["provenance"]["pass"] == "offload_gradients"
-    assert last_forward["file"] == f"{training['directory']}/09-forward-offload_gradients.py"
+    assert last_forward["file"] == f"{training['directory']}/11-forward-offload_gradients.py"
     assert "megatrain.load(" in last_forward["text"]
     assert "megatrain.offload(" in stages["backward"][-1]["text"]
     assert training["plan"]["peak_bytes"] > 0 and training["plan"]["reason"]
@@ -228,7 +229,8 @@ def test_snapshots_are_kept_for_inspect_only(setting, monkeypatch):
     record = next(r for r in COMPILED if r.backward is not None)
     stages = [(s.graph, s.stage) for s in record.snapshots]
     if setting in ("inspect", "on"):
-        assert stages[0] == ("joint", "captured") and ("backward", "offload_gradients") in stages
+        assert stages[:3] == [("dynamo", "captured"), ("dynamo", "fuse_lm_head"), ("joint", "captured")]
+        assert ("backward", "offload_gradients") in stages
     else:
         assert stages == []
     assert any(n.target is megacompile.core.ops.load for n in record.forward.graph.nodes)

@@ -28,7 +28,8 @@ CASES = {
     "mlp": (lambda: MLP(depth=3), {"recompute": "never"}),
     # A budget between the minimum and keep-everything: the planner mixes per-layer choices.
     "mlp_tight": (lambda: MLP(depth=3), {"memory_budget": 60_000}),
-    "gpt": (lambda: GPT(layers=2), {"recompute": "always"}),
+    # The LM head and loss fused (fuse_lm_head), in chunks of 8 of the 32 tokens.
+    "gpt": (lambda: GPT(layers=2), {"recompute": "always", "head_chunk_tokens": 8}),
     "llama": (lambda: LlamaLogits(layers=2), {"recompute": "always"}),
     # bf16: parameters cast on the host before their loads, gradients cast to fp32 on the host
     # after their offloads; a budget that makes the planner offload or recompute.
@@ -114,5 +115,12 @@ def test_golden_files_show_streaming():
     returned = bwd.splitlines()[-1]
     host_casts = [line for line in bwd.splitlines() if "host_cast:" in line and "f32[" in line]
     assert len(host_casts) == len(grads) and all(line.split(" = ")[0].strip() in returned for line in host_casts)
+    # GPT's LM head is fused (chunks of 8 tokens): one op each way, no logits, no log-softmax.
+    fwd, bwd = ((GOLDEN_DIR / f"gpt.{part}.txt").read_text() for part in ("forward", "backward"))
+    assert fwd.count("megatrain.lm_head_loss(") == 1 and bwd.count("megatrain.lm_head_loss_backward(") == 1
+    assert "_log_softmax" not in fwd + bwd and "lm head fused: cross-entropy" in fwd
+    # The Llama's is not (head_chunk_tokens="auto": its logits fit in one chunk), and says why.
+    fwd = (GOLDEN_DIR / "llama.forward.txt").read_text()
+    assert "megatrain.lm_head_loss" not in fwd and "lm head not fused: its 32 tokens' logits" in fwd
     tight = (GOLDEN_DIR / "mlp_tight.forward.txt").read_text()
     assert "offload" in tight or "recompute" in (GOLDEN_DIR / "mlp_tight.backward.txt").read_text()

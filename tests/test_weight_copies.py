@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 from reference_models import REFERENCE_MODELS, make_training_step
-from test_bf16 import _exact_reference_step
+from test_bf16 import EAGER_OPS, _exact_reference_step
 
 import megacompile
 from megacompile.runtime import host_adam
@@ -62,7 +62,7 @@ def _train(steps: int, overlap: bool, between=None, name: str = "mlp"):
     reference = copy.deepcopy(model)
     step, _ = make_training_step(model, loss_fn)
     compiled = torch.compile(step, backend="megatrain", options={
-        "device": "cpu", "lowering": "eager", "precision": "bf16", "overlap_optimizer": overlap})
+        "device": "cpu", "lowering": "eager", "precision": "bf16", "overlap_optimizer": overlap, **EAGER_OPS})
     eager = _exact_reference_step(reference, loss_fn)
     copies = get_device("cpu").weight_copies
     gen = torch.Generator().manual_seed(1)

@@ -91,6 +91,8 @@ class TrainingCompiler:
         self.input_roles = input_roles
         self.lower = lowering_fn
         self.record = CompiledGraph(label=f"graph{next(_graph_counter)}", options=options)
+        # The passes' snapshots of Dynamo's graph (stage "dynamo"), shown before the plan's.
+        self.captured_snapshots: list = []
         self.started = time.perf_counter()
 
         # The forward records the parameter tensors it ran with; the backward's gradient i
@@ -251,7 +253,7 @@ class TrainingCompiler:
                     f"megatrain internal error: plan '{chosen.plan.policy}' built again peaks at {chosen.peak} "
                     f"bytes, not the {priced} it was chosen at; please report this with the model")
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
-        self.record.snapshots = chosen.snapshots
+        self.record.snapshots = self.captured_snapshots + chosen.snapshots
         records.add(self.record)
         _log_plan(self.record, self.options, time.perf_counter() - started)
         return chosen.forward, chosen.backward

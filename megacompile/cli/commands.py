@@ -57,7 +57,7 @@ Options of inspect may come before SCRIPT or among the script's arguments; every
 argument after SCRIPT goes to the script. After a `--`, everything goes to the script (use it
 when the script has an option named --out, --format or --stage).
 
---stage NAME selects snapshots; NAME is a graph (joint, forward, backward, inference,
+--stage NAME selects snapshots; NAME is a graph (dynamo, joint, forward, backward, inference,
 optimizer, host), a stage (captured or a pass name), or GRAPH/STAGE. Repeat it, or separate
 names with commas, to select more.
 
@@ -292,6 +292,7 @@ def _provenance(snapshot) -> str:
         return "not traced (runs on the host as one call)"
     if snapshot.stage == "captured":
         origin = "the host graph as Dynamo captured it" if snapshot.graph in ("optimizer", "host") \
+            else "as Dynamo captured it, before AOTAutograd" if snapshot.graph == "dynamo" \
             else "as traced by AOTAutograd, before any pass"
         return f"captured ({origin})"
     return (f"pass {snapshot.stage}: created {snapshot.nodes_created} node(s), "

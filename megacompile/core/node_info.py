@@ -56,6 +56,8 @@ class NodeInfo:
     created_by: str = "capture"
     decision: str | None = None
     reason: str | None = None
+    head_fusion: str | None = None
+    workspace_bytes: int = 0
 
 
 def info(node: fx.Node) -> NodeInfo:

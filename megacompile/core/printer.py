@@ -57,7 +57,7 @@ def _fmt_arg(a: Any) -> str:
 
 
 def _comment(node: fx.Node) -> str:
-    parts = [describe_value(node.meta.get("val"))]
+    parts = [describe_value(node.meta.get("val", node.meta.get("example_value")))]  # (Dynamo's graph: example_value)
     if has_info(node):
         ni = info(node)
         parts.append(ni.placement)
@@ -69,6 +69,8 @@ def _comment(node: fx.Node) -> str:
             parts.append(f"by {ni.created_by}")
         if ni.decision:
             parts.append(f"{ni.decision}: {ni.reason}" if ni.reason else ni.decision)
+        if ni.head_fusion:
+            parts.append(f"lm head {ni.head_fusion}")
     return "  # " + " | ".join(parts)
 
 

@@ -191,6 +191,12 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
             orphans.append((position[node], tuple_end, orphan))
 
     delta = [0] * (end + 2)
+    # An op's own working set (the fused head's chunk buffers) lives while it runs.
+    for node in nodes:
+        if has_info(node) and info(node).workspace_bytes and info(node).placement == "device":
+            size = allocated_bytes(info(node).workspace_bytes, granularity)
+            delta[position[node]] += size
+            delta[position[node] + 1] -= size
     for born_at, dies_at, size in orphans:
         delta[born_at] += size
         delta[dies_at + 1] -= size

@@ -1,0 +1,299 @@
+"""The fused LM head + cross-entropy op: ``megatrain::lm_head_loss`` and its backward.
+
+``lm_head_loss(hidden, weight, bias, labels, ...)`` is ``cross_entropy(hidden @ weight.T + bias,
+labels)`` computed over chunks of ``chunk_tokens`` tokens: a chunk's logits are made, reduced
+to each token's log-sum-exp and loss, and dropped, so the (tokens x vocabulary) logits never
+exist whole. The backward (``lm_head_loss_backward``) makes each chunk's logits again, turns
+them into their gradient in place and accumulates the hidden-state, weight and bias gradients
+chunk by chunk; all it keeps from the forward is the per-token log-sum-exp (4 bytes a token).
+
+Numerics follow the unfused graph: the logits are rounded to the matmul's dtype (bf16 under
+autocast, as eager materialises them), the optional soft cap ``c * tanh(z / c)`` and the
+softmax run in fp32, the loss is ``loss_dtype``, and the logits' gradient is rounded to the
+matmul's dtype before the two matmuls, as eager's backward rounds it.
+
+The chunk loop is shared; what runs per chunk is a ``ChunkKernels``. ``TORCH_KERNELS`` here
+(torch ops, for the CPU stand-in and any device without Triton); ``megacompile.runtime``
+registers a CUDA implementation whose chunk kernels are Triton (an online log-sum-exp over
+vocabulary tiles). ``workspace_bytes`` is what one call holds beyond its inputs and outputs,
+for the memory estimate; the torch kernels report their chunk buffers to
+``observe_workspace`` so the stand-in's tracker measures them.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import importlib.util
+from typing import Callable, Optional
+
+import torch
+from torch.utils import flop_counter
+
+REDUCTIONS = ("mean", "sum", "none")
+
+_observer: contextvars.ContextVar[Callable[[torch.Tensor], None] | None] = contextvars.ContextVar(
+    "megatrain_fused_head_observer", default=None)
+
+
+@contextlib.contextmanager
+def observe_workspace(track: Callable[[torch.Tensor], None]):
+    """While active, every chunk buffer the torch kernels allocate is passed to ``track``."""
+    token = _observer.set(track)
+    try:
+        yield
+    finally:
+        _observer.reset(token)
+
+
+def _tracked(t: torch.Tensor) -> torch.Tensor:
+    track = _observer.get()
+    if track is not None:
+        track(t)
+    return t
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKernels:
+    """What runs per chunk of tokens.
+
+    ``forward(h, weight, bias, labels, softcap, ignore_index) -> (loss_rows, lse)``, both fp32
+    of the chunk's length (an ignored token's loss is 0); ``backward(h, weight, bias, labels,
+    lse, row_scale, softcap, ignore_index) -> dlogits`` in the matmul's dtype: row_scale times
+    d(loss_row)/d(logits), times the soft cap's derivative."""
+
+    forward: Callable
+    backward: Callable
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+    return _tracked(z)
+
+
+def _torch_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
+    z = _logits(h, weight, bias)
+    zf = _tracked(z.float()) if z.dtype != torch.float32 else z
+    del z
+    if softcap:
+        zf.div_(softcap).tanh_().mul_(softcap)
+    valid = labels != ignore_index
+    target = zf.gather(1, torch.where(valid, labels, 0).unsqueeze(1)).squeeze(1)
+    top = zf.amax(1)
+    lse = zf.sub_(top.unsqueeze(1)).exp_().sum(1).log_().add_(top)
+    return torch.where(valid, lse - target, 0.0), lse
+
+
+def _torch_backward(h, weight, bias, labels, lse, row_scale, softcap: float, ignore_index: int):
+    z = _logits(h, weight, bias)
+    dtype = z.dtype
+    zf = _tracked(z.float()) if dtype != torch.float32 else z
+    del z
+    slope = None
+    if softcap:
+        zf.div_(softcap).tanh_()
+        slope = _tracked(torch.square(zf)).neg_().add_(1)  # d(c * tanh(z / c)) / dz
+        zf.mul_(softcap)
+    probs = zf.sub_(lse.unsqueeze(1)).exp_()
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    probs[rows, torch.where(labels != ignore_index, labels, 0)] -= 1.0  # ignored rows: row_scale is 0
+    probs.mul_(row_scale.unsqueeze(1))
+    if slope is not None:
+        probs.mul_(slope)
+        del slope
+    return _tracked(probs.to(dtype)) if dtype != torch.float32 else probs
+
+
+TORCH_KERNELS = ChunkKernels(_torch_forward, _torch_backward)
+_KERNELS: dict[str, ChunkKernels] = {}
+
+
+def register_chunk_kernels(device_type: str, kernels: ChunkKernels) -> None:
+    """Use ``kernels`` for the chunks of calls on ``device_type`` (the runtime's Triton ones on CUDA)."""
+    _KERNELS[device_type] = kernels
+
+
+@contextlib.contextmanager
+def using_chunk_kernels(device_type: str, kernels: ChunkKernels):
+    """Calls on ``device_type`` run ``kernels`` while active (tests run the Triton kernels on
+    the CPU this way, under TRITON_INTERPRET=1)."""
+    before = _KERNELS.get(device_type)
+    _KERNELS[device_type] = kernels
+    try:
+        yield
+    finally:
+        if before is None:
+            _KERNELS.pop(device_type, None)
+        else:
+            _KERNELS[device_type] = before
+
+
+def kernels_for(device: torch.device) -> ChunkKernels:
+    return _KERNELS.get(device.type, TORCH_KERNELS)
+
+
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _chunks(n: int, chunk_tokens: int):
+    for start in range(0, n, chunk_tokens):
+        yield start, min(n, start + chunk_tokens)
+
+
+_PRODUCT_BLOCK_BYTES = 64 << 20
+
+
+def _block_rows(h: torch.Tensor) -> int:
+    """Vocabulary rows per block of a bf16 weight-gradient product: 64 MiB of it at a time."""
+    return max(1, _PRODUCT_BLOCK_BYTES // (h.shape[1] * h.element_size()))
+
+
+def _check(hidden, weight, bias, labels, chunk_tokens: int, reduction: str) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"megatrain lm_head_loss: hidden (tokens, H) and weight (vocab, H) expected, got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if labels.dim() != 1 or labels.shape[0] != hidden.shape[0]:
+        raise ValueError(f"megatrain lm_head_loss: one label per token expected, got labels {tuple(labels.shape)} "
+                         f"for {hidden.shape[0]} tokens")
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"megatrain lm_head_loss: hidden, weight and bias must share a dtype, got {hidden.dtype}, "
+                         f"{weight.dtype}" + (f", {bias.dtype}" if bias is not None else ""))
+    if chunk_tokens < 1 or reduction not in REDUCTIONS:
+        raise ValueError(f"megatrain lm_head_loss: chunk_tokens >= 1 and reduction in {REDUCTIONS} expected, got "
+                         f"{chunk_tokens} and {reduction!r}")
+
+
+@torch.library.custom_op("megatrain::lm_head_loss", mutates_args=())
+def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                 chunk_tokens: int, ignore_index: int, reduction: str, softcap: float,
+                 loss_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse): the cross-entropy of ``hidden @ weight.T + bias`` against ``labels``, and
+    each token's log-sum-exp (fp32) for the backward."""
+    _check(hidden, weight, bias, labels, chunk_tokens, reduction)
+    kernels = kernels_for(hidden.device)
+    n = hidden.shape[0]
+    rows = _tracked(torch.empty(n, dtype=torch.float32, device=hidden.device))
+    lse = _tracked(torch.empty(n, dtype=torch.float32, device=hidden.device))
+    for start, end in _chunks(n, chunk_tokens):
+        rows[start:end], lse[start:end] = kernels.forward(hidden[start:end], weight, bias, labels[start:end],
+                                                          softcap, ignore_index)
+    if reduction == "none":
+        return rows.to(loss_dtype), lse
+    total = rows.sum()
+    if reduction == "mean":
+        total = total / (labels != ignore_index).sum()
+    return total.to(loss_dtype), lse
+
+
+@lm_head_loss.register_fake
+def _(hidden, weight, bias, labels, chunk_tokens, ignore_index, reduction, softcap, loss_dtype):
+    n = hidden.shape[0]
+    loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=loss_dtype)
+    return loss, hidden.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.custom_op("megatrain::lm_head_loss_backward", mutates_args=())
+def lm_head_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                          bias: Optional[torch.Tensor], labels: torch.Tensor, lse: torch.Tensor, chunk_tokens: int,
+                          ignore_index: int, reduction: str, softcap: float,
+                          weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias); grad_weight is empty unless ``weight_grad``,
+    grad_bias empty where there is no bias."""
+    kernels = kernels_for(hidden.device)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    valid = labels != ignore_index
+    grad = grad_loss.float()
+    if reduction == "mean":
+        grad = grad / valid.sum()
+    row_scale = torch.where(valid, grad, 0.0)  # per token: the scalar's share, or its own ("none")
+    grad_hidden = _tracked(torch.empty_like(hidden, memory_format=torch.contiguous_format))
+    # Weight gradient: accumulated in fp32 (a bf16 running sum would round at every chunk).
+    wide = weight.dtype != torch.float32
+    grad_weight = None
+    if weight_grad:
+        grad_weight = _tracked(torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wide
+                               else torch.zeros_like(weight, memory_format=torch.contiguous_format))
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
+    for start, end in _chunks(n, chunk_tokens):
+        h = hidden[start:end]
+        dz = kernels.backward(h, weight, bias, labels[start:end], lse[start:end], row_scale[start:end], softcap,
+                              ignore_index)
+        torch.mm(dz, weight, out=grad_hidden[start:end])
+        if grad_weight is not None:
+            if wide:  # the product in the matmul's dtype, a block of vocabulary rows at a time
+                for v0, v1 in _chunks(vocab, _block_rows(h)):
+                    grad_weight[v0:v1].add_(_tracked(torch.mm(dz[:, v0:v1].t(), h)))
+            else:
+                grad_weight.addmm_(dz.t(), h)
+        if grad_bias is not None:
+            grad_bias.add_(dz.sum(0, dtype=torch.float32))
+        del dz
+    empty = hidden.new_empty((0,))
+    grad_weight = empty if grad_weight is None else grad_weight.to(weight.dtype)
+    grad_bias = empty if grad_bias is None else grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
+
+
+@lm_head_loss_backward.register_fake
+def _(grad_loss, hidden, weight, bias, labels, lse, chunk_tokens, ignore_index, reduction, softcap, weight_grad):
+    empty = hidden.new_empty((0,))
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if weight_grad else empty,
+            torch.empty_like(bias) if bias is not None else empty)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, labels, chunk_tokens, ignore_index, reduction, softcap, _loss_dtype = inputs
+    ctx.save_for_backward(hidden, weight, bias, labels, output[1])
+    ctx.options = (chunk_tokens, ignore_index, reduction, softcap)
+
+
+def _backward(ctx, grad_loss, _grad_lse):
+    hidden, weight, bias, labels, lse = ctx.saved_tensors
+    grad_hidden, grad_weight, grad_bias = lm_head_loss_backward(
+        grad_loss, hidden, weight, bias, labels, lse, *ctx.options, weight_grad=ctx.needs_input_grad[1])
+    return (grad_hidden if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
+            grad_bias if bias is not None and ctx.needs_input_grad[2] else None, None, None, None, None, None, None)
+
+
+lm_head_loss.register_autograd(_backward, setup_context=_setup_context)
+
+FORWARD = torch.ops.megatrain.lm_head_loss.default
+BACKWARD = torch.ops.megatrain.lm_head_loss_backward.default
+OPS = (FORWARD, BACKWARD)
+
+
+# --- FLOPs and working set ---------------------------------------------------------------
+@flop_counter.register_flop_formula(torch.ops.megatrain.lm_head_loss)
+def _forward_flops(hidden_shape, weight_shape, *args, **kwargs) -> int:
+    return 2 * hidden_shape[0] * hidden_shape[1] * weight_shape[0]
+
+
+@flop_counter.register_flop_formula(torch.ops.megatrain.lm_head_loss_backward)
+def _backward_flops(grad_shape, hidden_shape, weight_shape, *args, **kwargs) -> int:
+    # The logits again, then the hidden state's and the weight's gradient.
+    return 3 * 2 * hidden_shape[0] * hidden_shape[1] * weight_shape[0]
+
+
+def workspace_bytes(target, tokens: int, vocab: int, width: int, itemsize: int, chunk_tokens: int, softcap: float,
+                    triton: bool, weight_grad: bool = True) -> int:
+    """Bytes one call holds beyond its inputs and outputs at its fullest (a chunk's buffers,
+    the fp32 weight-gradient sum), for the chunk kernels it runs with (``triton``: the
+    runtime's, which read and overwrite the chunk's logits in place). ``itemsize``: bytes per
+    element of the matmul's dtype."""
+    logits = min(tokens, chunk_tokens) * vocab  # elements of one chunk's logits
+    wide = itemsize != 4
+    if target is FORWARD:
+        if triton:
+            return logits * itemsize
+        return logits * (itemsize + 4) if wide else logits * 4
+    if triton:
+        chunk = logits * itemsize
+    else:
+        chunk = max(logits * (itemsize + 4) if wide else logits * 4, logits * 8 if softcap else 0)
+    if not weight_grad or not wide:
+        return chunk  # (an fp32 weight's gradient is accumulated in place: addmm_)
+    # The fp32 sum all along; at a chunk's end its logits' gradient and one block of the product.
+    block = min(vocab, max(1, _PRODUCT_BLOCK_BYTES // (width * itemsize)))
+    return vocab * width * 4 + max(chunk, logits * itemsize + block * width * itemsize)
