@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from megacompile.core import fused_head
-from megacompile.core.torch_compat import int_hint
+from megacompile.core.torch_compat import NN_LINEAR, int_hint
 from megacompile.core.units import format_bytes
 from megacompile.passes.contract import PassContract
 
@@ -42,7 +42,7 @@ CONTRACT = PassContract(name="fuse_lm_head", stages=("dynamo",), provides=frozen
 
 NOTE_KEY = "megatrain_lm_head"  # in node.meta["custom"] (AOTAutograd copies "custom" to the aten nodes)
 
-_LINEAR = {torch._C._nn.linear, F.linear}
+_LINEAR = {NN_LINEAR, F.linear}
 _MATMUL = {operator.matmul, torch.matmul}
 _LOG_SOFTMAX = {F.log_softmax, torch.log_softmax}
 _TANH = {torch.tanh}

@@ -198,6 +198,10 @@ OpOverload = torch._ops.OpOverload
 HigherOrderOperator = torch._ops.HigherOrderOperator
 
 
+# The functional linear as Dynamo records it (``F.linear`` is this builtin).
+NN_LINEAR = torch._C._nn.linear
+
+
 def reset_dynamo() -> None:
     """Forget every compiled frame (``torch._dynamo.reset``)."""
     torch._dynamo.reset()

@@ -19,12 +19,7 @@ from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 
 
 def _reset_dynamo() -> None:
-
-    reset = getattr(compat, "reset_dynamo", None)
-    if reset is not None:
-        reset()
-    else:
-        torch._dynamo.reset()
+    compat.reset_dynamo()
 
 
 class _Traced(Exception):
