@@ -10,7 +10,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import weakref
 from typing import Any
+
+import torch
 
 from megacompile.core.units import format_bytes
 
@@ -143,9 +146,26 @@ class StepRecorder:
         self._last: StepReport | None = None
         self._data_parallel: dict | None = None
 
+    def forward_returned(self, compiled, outputs) -> None:
+        """Watches what ``compiled``'s forward returned (its saved activations among them): once
+        all of it is gone, no backward can come (the loss was dropped without one)."""
+        refs = [weakref.ref(t) for t in outputs if isinstance(t, torch.Tensor)]
+        with self._lock:
+            if self._current is not None and refs:
+                self._current.setdefault("outputs", {})[id(compiled)] = refs  # (records are unhashable)
+
+    def _drop_abandoned(self, cur: dict) -> None:
+        outputs = cur.get("outputs", {})
+        for c in list(cur["awaiting_backward"]):
+            refs = outputs.get(id(c))
+            if refs and all(r() is None for r in refs):
+                cur["awaiting_backward"].remove(c)
+
     def forward_started(self, compiled, device) -> None:
         with self._lock:
             cur = self._current
+            if cur is not None:
+                self._drop_abandoned(cur)
             # A graph that starts again while its own backward is awaited left a forward
             # without backward behind (an error, a loss never backpropagated): a new step.
             if (cur is not None and cur["device"] is device and cur["awaiting_backward"]
@@ -188,6 +208,8 @@ class StepRecorder:
         that step, runs on top of it."""
         with self._lock:
             cur = self._current
+            if cur is not None:
+                self._drop_abandoned(cur)
             if cur is None or cur["device"] is not device or not cur["awaiting_backward"]:
                 return 0, []
             return self._held(cur), [c.label for c in cur["awaiting_backward"]]

@@ -383,6 +383,8 @@ class StreamingProgram:
         self.compile_segment = compile_segment
         self.on_start = on_start
         self.on_finish = on_finish
+        # Called with what a run returned (the step recorder watches a forward's outputs).
+        self.on_outputs: Callable[[Any], None] | None = None
         # Sees the inputs of each call before they are consumed (the forward records which
         # parameter tensors it ran with, for the backward's overlapped optimizer updates).
         self.observe_inputs = observe_inputs
@@ -469,7 +471,10 @@ class StreamingProgram:
         program_range = profiler_ranges.ProfilerRange("graphs", self.label) if profiler_ranges.profiling() else None
         failed = False
         try:
-            return self._run(args, sink, recorder, program_range is not None)
+            outputs = self._run(args, sink, recorder, program_range is not None)
+            if self.on_outputs is not None:
+                self.on_outputs(outputs)
+            return outputs
         except BaseException as error:
             failed = True
             # Updates already submitted finish before anyone can look at the parameters.

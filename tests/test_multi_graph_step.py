@@ -59,3 +59,18 @@ def test_a_step_of_two_graphs_is_planned_and_reported_as_one():
     assert sum(r.param_bytes for r in report.layers) == sum(p.numel() * 4 for p in params)
     assert report.host_bytes["weights"] == numel * 4
     assert report.host_bytes_per_param == pytest.approx(16.0, abs=0.01)
+
+
+def test_a_forward_whose_loss_is_dropped_holds_nothing_for_the_next_step():
+    """A forward whose outputs are all gone (the loss dropped without a backward) cannot get a
+    backward: the next graph compiled is a step of its own, not planned on top of it."""
+    from megacompile.report import RECORDER
+    from megacompile.runtime.device import get_device
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    forward_only = torch.compile(lambda x: model(x).sum(), backend="megatrain",
+                                 options={"device": "cpu", "lowering": "eager"})
+    loss = forward_only(torch.randn(4, 8))
+    assert RECORDER.device_bytes_held(get_device("cpu"))[0] > 0  # awaits its backward
+    del loss
+    assert RECORDER.device_bytes_held(get_device("cpu")) == (0, [])

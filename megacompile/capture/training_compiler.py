@@ -470,6 +470,8 @@ def lower_with(options: Options, device):
         share = device.shares_host_memory and not record.measures_peak and not options.overlaps_optimizer
         program = StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
                                    label=f"{record.label} {part}", check_inputs=check, share_host_memory=share)
+        if part == "forward" and start_step:
+            program.on_outputs = lambda outputs: RECORDER.forward_returned(record, outputs)
         if options.keeps_snapshots and record.measures_peak:  # inspect: the measured curve for --plot
             program.memory_log = record.memory_logs.setdefault(part, [])
         return program
