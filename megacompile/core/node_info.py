@@ -141,13 +141,16 @@ _UNDECLARED_VIEWS = {torch.ops.aten._unsafe_view.default}
 
 
 # --- names ------------------------------------------------------------------------------
-_ROOT = re.compile(r"^[LG]\['[^']*'\]")
+# The root local or global, with the tuple / dict indexing right after it: a module reached
+# through ``*args`` (a decorated ``forward(*args, **kwargs)``) is ``L['args'][0]``; a module's
+# own children are attributes (``L['blocks'].0``), never subscripts.
+_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\[\d+\]|\['[^']*'\])*")
 _MODULE_TOKENS = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
 
 
 @functools.lru_cache(maxsize=65536)  # pure; asked once per node of every graph the planner builds
 def normalize_module_path(path: str) -> str:
-    """``G['model'].layers.0.fc`` / ``L['self'].layers[0]`` -> ``layers.0.fc``."""
+    """``G['model'].layers.0.fc`` / ``L['self'].layers[0]`` / ``L['args'][0].layers.0.fc`` -> ``layers.0.fc``."""
     path = _ROOT.sub("", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
