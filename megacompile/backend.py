@@ -11,6 +11,7 @@ Dynamo splits the user's step into graphs and calls ``megatrain`` once per graph
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Any
@@ -24,14 +25,14 @@ from megacompile.capture.records import CompiledGraph
 from megacompile.capture.training_compiler import TrainingCompiler, lower_with
 from megacompile.core import torch_compat as compat
 from megacompile.core.collector import cycle_collector_paused
-from megacompile.core.errors import PlacementError, UnsupportedGraph
+from megacompile.core.errors import BudgetError, PlacementError, UnsupportedGraph
 from megacompile.core.node_info import source_to_name
 from megacompile.core.printer import format_graph
 from megacompile.optimizer import eager_update_watch
 from megacompile.optimizer.host_step import fused_step_for, host_step_label, take_step_out_of_trace
 from megacompile.optimizer.ownership import optimizer_of_graph
 from megacompile.options import Options, parse_options
-from megacompile.passes import GraphSnapshot, PassContext, run_passes
+from megacompile.passes import GraphSnapshot, PassContext, chunk_tokens, run_passes
 from megacompile.plan.training_plan import TrainingPlan
 from megacompile.report import RECORDER
 from megacompile.runtime import trace
@@ -139,26 +140,16 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, options: Options, reason
     return gm.forward
 
 
-def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_ignored: Any) -> Any:
-    opts = parse_options(options)
-    names, roles = describe_inputs(gm, example_inputs)
-    check_placement(example_inputs, names, roles)
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
-    )
-    if not needs_grad:
-        return _host_region(gm, example_inputs, opts)
-    # Layers marked with torch.compiler.nested_compile_region: Dynamo traced each body once.
-    # AOTAutograd then traces and partitions each distinct body once too, and the step's
-    # partitioner inlines the partitioned bodies per call (capture.TrainingCompiler.partition).
-    # Under autocast (bf16) the calls are inlined here instead, before AOTAutograd, so that
-    # every op is traced inside the one autocast region the graph is wrapped in.
-    if opts.autocast_dtype is not None:
-        inline_nested_regions(gm)
-    reason = _unsupported_reason(gm)
-    if reason is not None:
-        return _fallback(gm, example_inputs, opts, reason)
 
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, names, roles) -> tuple[Any, str | None]:
+    """Dynamo's graph through the dynamo-stage passes and AOTAutograd (which calls the planner):
+    (compiled, None), or (None, why) where the graph turns out unsupported."""
     # Graph passes on Dynamo's graph (the fused LM head + loss), before AOTAutograd traces it.
     captured = PassContext(opts, "dynamo", TrainingPlan(), names, roles)
     run_passes(gm, captured, keep_snapshots=opts.keeps_snapshots)
@@ -182,7 +173,43 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
                 inference_compiler=compiler.compile_inference,
             )
     except UnsupportedGraph as e:
-        return _fallback(gm, example_inputs, opts, str(e))
+        return None, str(e)
+    return compiled, None
+
+
+def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_ignored: Any) -> Any:
+    opts = parse_options(options)
+    names, roles = describe_inputs(gm, example_inputs)
+    check_placement(example_inputs, names, roles)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    )
+    if not needs_grad:
+        return _host_region(gm, example_inputs, opts)
+    # Layers marked with torch.compiler.nested_compile_region: Dynamo traced each body once.
+    # AOTAutograd then traces and partitions each distinct body once too, and the step's
+    # partitioner inlines the partitioned bodies per call (capture.TrainingCompiler.partition).
+    # Under autocast (bf16) the calls are inlined here instead, before AOTAutograd, so that
+    # every op is traced inside the one autocast region the graph is wrapped in.
+    if opts.autocast_dtype is not None:
+        inline_nested_regions(gm)
+    reason = _unsupported_reason(gm)
+    if reason is not None:
+        return _fallback(gm, example_inputs, opts, reason)
+
+    # Where token chunking may be needed (it is only when nothing fits without it), a copy of
+    # Dynamo's graph as captured, to trace again with the per-token runs chunked.
+    retry = _graph_copy(gm) if chunk_tokens.may_retry(opts) else None
+    try:
+        compiled, unsupported = _compile_training(gm, example_inputs, opts, names, roles)
+    except BudgetError:
+        if retry is None or not chunk_tokens.has_runs(retry):
+            raise
+        log.info("megatrain: no plan fits memory_budget with the layers whole; chunking their per-token runs")
+        compiled, unsupported = _compile_training(retry, example_inputs, dataclasses.replace(
+            opts, token_chunks=chunk_tokens.PLANNER_CHOOSES), names, roles)
+    if compiled is None:
+        return _fallback(gm, example_inputs, opts, unsupported)
     # Compiled: from here on the optimizer's step() runs on the host without being traced.
     params = {id(v): v for v, role in zip(example_inputs, roles) if role == "param"}
     _host_step_record(take_step_out_of_trace(params), opts)

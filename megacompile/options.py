@@ -72,6 +72,11 @@ class Options:
     # power of two, at least 16; 1024 for a 128k vocabulary), and a head whose logits fit in
     # one chunk is not fused; an int: that many, and every recognised head is fused.
     head_chunk_tokens: int | str = "auto"
+    # Chunks of tokens for the runs of per-token ops inside a layer (passes/chunk_tokens.py;
+    # switched off by disable_passes=["chunk_tokens"]). "auto": the graph is left alone unless
+    # the step does not fit memory_budget without it; then the planner picks the fewest chunks
+    # whose plan fits. An int: every run is chunked into that many chunks.
+    token_chunks: int | str = "auto"
 
     def fused_head_chunk_tokens(self, vocab: int) -> int:
         if self.head_chunk_tokens != "auto":
@@ -179,6 +184,12 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
             raise OptionsError(f"option head_chunk_tokens={chunk!r} must be 'auto' or an int >= 1 (tokens per chunk "
                                f"of the fused LM head + loss)")
         kw["head_chunk_tokens"] = chunk
+    if "token_chunks" in raw:
+        chunks = raw["token_chunks"]
+        if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+            raise OptionsError(f"option token_chunks={chunks!r} must be 'auto' or an int >= 1 (chunks of tokens per "
+                               f"run of per-token ops in a layer)")
+        kw["token_chunks"] = chunks
     if "disable_passes" in raw:
         names = raw["disable_passes"]
         if isinstance(names, str):

@@ -14,7 +14,7 @@ import copy
 import torch
 import torch.fx as fx
 
-from megacompile.core import fused_head
+from megacompile.core import fused_head, token_chunks
 from megacompile.core import torch_compat as compat
 from megacompile.core.enums import Phase, Placement, Role
 from megacompile.core.node_info import (
@@ -69,6 +69,19 @@ def _workspace(node: fx.Node, options) -> int:
     vocab, width = (compat.int_hint(d) for d in weight.shape)
     return fused_head.workspace_bytes(node.target, compat.int_hint(hidden.shape[0]), vocab, width,
                                       weight.element_size(), chunk, softcap, triton, weight_grad)
+
+
+def _chunked(node: fx.Node) -> tuple[int, str]:
+    """A token-chunked run's working set at the traced sizes, and what inspect says of it."""
+    vals = [fx.node.map_arg(a, lambda n: n.meta.get("val")) for a in node.args]
+    body, chunks, tokens, shared = vals[:4]
+    extra = vals[4:6] if node.target is token_chunks.BACKWARD else ()
+    n = compat.int_hint(tokens[0].numel()) // max(1, compat.int_hint(tokens[0].shape[-1]))
+    rows = min(n, token_chunks.chunk_rows(n, chunks))
+    what = "backward: replays and backpropagates" if extra else "forward: computes"
+    note = (f"token-chunked run ({what} {token_chunks.body_of(body).describe()} over {chunks} chunk"
+            f"{'s' if chunks != 1 else ''} of {rows} of {n} tokens)")
+    return token_chunks.workspace_bytes(node.target, body, chunks, tokens, shared, *extra), note
 
 
 def run(gm: fx.GraphModule, ctx) -> None:
@@ -127,6 +140,9 @@ def run(gm: fx.GraphModule, ctx) -> None:
                 ni.head_fusion = _backward_note(node)
             if node.target in fused_head.OPS:
                 ni.workspace_bytes = _workspace(node, ctx.options)
+            ni.token_chunks = None
+            if node.target in token_chunks.OPS:
+                ni.workspace_bytes, ni.token_chunks = _chunked(node)
             # Views and tuple-producing ops own no bytes: the base / the getitems do.
             if is_view_node(node) or isinstance(val, (tuple, list)):
                 ni.nbytes, ni.nbytes_hint = 0, 0

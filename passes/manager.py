@@ -8,6 +8,9 @@ pass rewrites and three sets of *facts*, properties of the graph that hold once 
   runs, runs first; it may be switched off);
 - ``provides``: facts that hold after it runs.
 
+A pass module may also define ``applies(ctx)``: False skips it for that graph (no snapshot,
+as if it did not apply to the stage).
+
 ``PASS_ORDER`` is checked against the contracts once, at import. ``run_pipeline`` checks the
 passes left after ``options.disable_passes`` the same way, so switching off a pass another
 one stands on is an error naming both; ``disable_passes`` may name exactly the passes whose
@@ -109,7 +112,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, passes: tuple, keep_snaps
     ctx.coming_facts = {f for p in selected if ctx.stage in p.CONTRACT.stages for f in p.CONTRACT.provides}
     for p in selected:
         contract = p.CONTRACT
-        if ctx.stage not in contract.stages:
+        if ctx.stage not in contract.stages or not getattr(p, "applies", lambda _ctx: True)(ctx):
             continue
         start = time.perf_counter()
         with _Provenance(gm, contract.name) as provenance:

@@ -25,6 +25,7 @@ import torch.fx as fx
 from megacompile.capture import inline_regions, records
 from megacompile.capture.records import CompiledGraph
 from megacompile.capture.repeat_chain import find_repeat_chain, truncated_joint
+from megacompile.core import token_chunks
 from megacompile.core import torch_compat as compat
 from megacompile.core.collector import cycle_collector_paused
 from megacompile.core.errors import BudgetError, DataParallelError, UnsupportedGraph
@@ -36,7 +37,7 @@ from megacompile.optimizer.host_step import has_host_step, kernel_available
 from megacompile.optimizer.overlap import ParamInputs
 from megacompile.optimizer.ownership import fused_kernel_runs, optimizer_of
 from megacompile.options import Options
-from megacompile.passes import PassContext, run_passes
+from megacompile.passes import PassContext, chunk_tokens, run_passes
 from megacompile.passes.recompute import num_forward_outputs
 from megacompile.passes.resident_parameters import used_in_both_phases
 from megacompile.plan import flat_planner, template_planner
@@ -224,8 +225,10 @@ class TrainingCompiler:
 
         # Before inlining: the repeated layers are still one call each, which is what the
         # short copies are cut from.
+        chunked = [n for n in joint.graph.nodes if n.op == "call_function" and n.target in token_chunks.OPS]
+        choosing = bool(chunked) and self.options.token_chunks == chunk_tokens.PLANNER_CHOOSES
         try:
-            templates, repeated = self._templates(joint, num_fwd_outputs, make_maker)
+            templates, repeated = ([], 0) if choosing else self._templates(joint, num_fwd_outputs, make_maker)
         except Exception as e:  # noqa: BLE001  (an optimization: the flat planner plans what it cannot)
             templates, repeated = [], 0
             _template_failed(e)
@@ -242,6 +245,9 @@ class TrainingCompiler:
                                              self.options, profile)
             except Exception as e:  # noqa: BLE001
                 _template_failed(e)
+        if chosen is None and choosing:
+            chosen = self._plan_chunk_count(chunked, lambda: flat_planner.plan_training(
+                build, layers, self.options, profile, predict_seconds, both_phases, joint=joint))
         if chosen is None:
             chosen = flat_planner.plan_training(build, layers, self.options, profile, predict_seconds, both_phases,
                                                 joint=joint)
@@ -257,6 +263,37 @@ class TrainingCompiler:
         records.add(self.record)
         _log_plan(self.record, self.options, time.perf_counter() - started)
         return chosen.forward, chosen.backward
+
+    @staticmethod
+    def _plan_chunk_count(chunked: list[fx.Node], plan):
+        """The plan at the fewest chunks (powers of two) whose plan fits the budget: a slice's
+        working set shrinks with the count while the FLOPs stay (every count replays the run
+        once), and each chunk adds its ops' launches, so fewer is faster."""
+        tokens = max(token_chunks.call_tokens(n) for n in chunked)
+        counts = [1 << i for i in range(max(1, tokens).bit_length() + 1) if (1 << i) <= max(1, tokens)]
+
+        def at(count: int):
+            for node in chunked:
+                token_chunks.set_chunks(node, count)
+            return plan()
+
+        lo, hi, best = 0, len(counts) - 1, None
+        best = (counts[hi], at(counts[hi]))  # the most chunks: if this does not fit, nothing does
+        while lo < hi:
+            mid = (lo + hi) // 2
+            try:
+                best = (counts[mid], at(counts[mid]))
+                hi = mid
+            except BudgetError:
+                lo = mid + 1
+        count, chosen = best
+        if count != counts[lo]:
+            count, chosen = counts[lo], at(counts[lo])
+        for node in chunked:
+            token_chunks.set_chunks(node, count)
+        chosen.plan.reason = (chosen.plan.reason or "") + (
+            f"; per-token runs in {count} token chunk(s), the fewest that fit")
+        return chosen
 
     # AOTAutograd compiles the backward lazily, inside ``loss.backward()`` within the user's
     # compiled frame; without ``disable`` Dynamo would trace our lowering code itself.

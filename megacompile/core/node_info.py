@@ -58,6 +58,8 @@ class NodeInfo:
     reason: str | None = None
     head_fusion: str | None = None
     workspace_bytes: int = 0
+    # A token-chunked run (passes/chunk_tokens.py): what it replaced and into how many chunks.
+    token_chunks: str | None = None
 
 
 def info(node: fx.Node) -> NodeInfo:

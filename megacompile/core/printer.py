@@ -71,6 +71,8 @@ def _comment(node: fx.Node) -> str:
             parts.append(f"{ni.decision}: {ni.reason}" if ni.reason else ni.decision)
         if ni.head_fusion:
             parts.append(f"lm head {ni.head_fusion}")
+        if ni.token_chunks:
+            parts.append(ni.token_chunks)
     return "  # " + " | ".join(parts)
 
 

@@ -18,10 +18,11 @@ from torch._dynamo import list_backends, register_backend
 from torch._dynamo.exc import BackendCompilerFailed, ShortenTraceback  # noqa: F401
 from torch._dynamo.resume_execution import ContinueExecutionCache
 from torch._dynamo.symbolic_convert import InstructionTranslator
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
 from torch.fx.experimental import symbolic_shapes as sym
 from torch.fx.experimental.proxy_tensor import is_sym_node as _is_sym_node
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 
@@ -156,6 +157,20 @@ def fake_mode_of(gm: fx.GraphModule):
 
 def is_fake_tensor(x: Any) -> bool:
     return isinstance(x, FakeTensor)
+
+
+def trace_aten(fn: Callable, args: Sequence[Any]) -> fx.GraphModule:
+    """``fn`` traced to an aten graph (autograd and autocast included) on fake host tensors
+    of the shapes and dtypes of ``args`` (tensors or lists of tensors); nothing is computed."""
+    with no_dispatch_modes(), FakeTensorMode():
+        def fake(x):
+            if isinstance(x, (list, tuple)):
+                return [fake(v) for v in x]
+            if isinstance(x, torch.Tensor):
+                return torch.empty(tuple(int_hint(d) for d in x.shape), dtype=x.dtype, device="cpu",
+                                   requires_grad=False)
+            return x
+        return make_fx(fn, tracing_mode="real")(*[fake(a) for a in args])
 
 
 # --- Inductor ---------------------------------------------------------------------------

@@ -67,6 +67,7 @@ class Trace:
     host_optimizer: dict  # seconds and bytes of the host AdamW over all N layers' parameters
     trace_s: float
     prediction: Any = None  # cost_model.StepTimePrediction of the traced keep program
+    token_chunks: int | None = None  # each layer's per-token runs in this many chunks (None: whole)
 
     @property
     def complete(self) -> bool:

@@ -61,6 +61,37 @@ def _json_default(value):
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
+# The smallest chunk of tokens the planner considers for a layer's per-token runs: a
+# (512 x hidden) @ (hidden x MLP) product still keeps a GPU's matrix units busy.
+MIN_CHUNK_TOKENS = 512
+
+
+def token_chunk_counts(tokens: int) -> list[int]:
+    """Chunk counts considered for ``tokens`` tokens: powers of two while chunks keep at least
+    ``MIN_CHUNK_TOKENS`` tokens."""
+    counts = [1]
+    while tokens // (counts[-1] * 2) >= MIN_CHUNK_TOKENS:
+        counts.append(counts[-1] * 2)
+    return counts
+
+
+def _fewest_fitting(counts: list[int], trace_with, fits):
+    """The trace at the fewest of ``counts`` that ``fits`` (fitting only grows with the count),
+    or at the most where none does."""
+    most = trace_with(counts[-1])
+    if not fits(most):
+        return most
+    lo, hi, best = 0, len(counts) - 1, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        candidate = trace_with(counts[mid])
+        if fits(candidate):
+            hi, best = mid, candidate
+        else:
+            lo = mid + 1
+    return best
+
+
 def _where(at: tuple) -> str:
     phase, layer, node = at
     return f"{phase} of {layer or 'the loss'} (node {node})"
@@ -97,10 +128,25 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
 
     traces: dict = {}  # (batch, seq_len) -> Trace
 
+    def traced(b: int, s: int, complete: bool, chunks: int | None) -> Trace:
+        trace = trace_model(config, profile, batch=b, seq_len=s, precision=precision, k=k,
+                            skip_if_keep_fits=None if complete else budget, token_chunks=chunks)
+        trace.token_chunks = chunks
+        return trace
+
     def trace_at(b: int, s: int, complete: bool = True) -> Trace:
+        """The trace of the program megatrain would build: its layers whole, or, where no plan
+        fits that way, their per-token runs in the fewest chunks (powers of two) whose plan fits
+        (the most chunks where none does)."""
         if (b, s) not in traces or (complete and not traces[(b, s)].complete):
-            traces[(b, s)] = trace_model(config, profile, batch=b, seq_len=s, precision=precision, k=k,
-                                         skip_if_keep_fits=None if complete else budget)
+            whole = traced(b, s, complete, None)
+            traces[(b, s)] = whole
+            if whole.complete and _min_peak(whole, num_layers, host_free) > budget:
+                counts = token_chunk_counts(b * s)
+                fewest = _fewest_fitting(counts, lambda c: traced(b, s, True, c),
+                                         lambda t: _min_peak(t, num_layers, host_free) <= budget)
+                if _min_peak(fewest, num_layers, host_free) < _min_peak(whole, num_layers, host_free):
+                    traces[(b, s)] = fewest
         return traces[(b, s)]
 
     # When keeping every activation fits, the other policies are not built (unless a search
@@ -225,7 +271,8 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
                "intermediate_size": config.get("intermediate_size"), "vocab_size": config.get("vocab_size")},
         hardware={"name": profile.name, "description": profile.description, "hbm_bytes": profile.hbm_bytes,
                   "host_memory_bytes": profile.host_memory_bytes},
-        step={"batch": batch, "seq_len": seq_len, "tokens": tokens, "precision": precision},
+        step={"batch": batch, "seq_len": seq_len, "tokens": tokens, "precision": precision,
+              "token_chunks": trace.token_chunks},
         fits=device_fits and host_fits,
         device={
             "fits": device_fits, "budget_bytes": budget, "peak_bytes": plan.peak_bytes,

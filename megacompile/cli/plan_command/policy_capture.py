@@ -83,9 +83,11 @@ def _capture_policies(out: dict, extra_plans: dict | None = None, pairs: bool = 
 
 
 def trace_policies(config: dict, *, num_layers: int, batch: int, seq_len: int, precision: str = "fp32",
-                   extra_plans: dict | None = None, keep_suffices: Callable | None = None) -> dict:
+                   extra_plans: dict | None = None, keep_suffices: Callable | None = None,
+                   token_chunks: int | None = None) -> dict:
     """Compile a training step of ``num_layers`` layers on meta tensors with megatrain, up to the plans.
 
+    ``token_chunks``: the per-token runs of each layer in that many chunks (passes/chunk_tokens.py).
     Returns ``{"attempts": {policy: planner.Attempt}, "layers": [...], "model": model,
     "trace_s": seconds, "build_s": seconds}``.
     """
@@ -95,7 +97,10 @@ def trace_policies(config: dict, *, num_layers: int, batch: int, seq_len: int, p
     # One compile per probe: the step's code object is the same each time, so without a reset
     # Dynamo would count the probes as recompiles of one frame.
     _reset_dynamo()
-    compiled = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    options = {"device": "cpu", "lowering": "eager"}
+    if token_chunks is not None:
+        options["token_chunks"] = token_chunks
+    compiled = torch.compile(step, backend="megatrain", options=options)
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     out: dict = {}
     with _meta_placement(), _capture_policies(out, extra_plans=extra_plans, keep_suffices=keep_suffices):

@@ -31,6 +31,9 @@ def format_text(r: dict) -> str:
         f"  peak             {gib(dev['peak_bytes'])} of {gib(dev['budget_bytes'])} budget "
         f"({dev['peak_bytes'] / dev['budget_bytes']:.0%})",
         f"  peak at          {dev['peak_at']}",
+        *([f"  token chunks     each layer's per-token runs (norms, projections, MLP) in {st['token_chunks']} "
+           f"chunk(s) of {-(-st['tokens'] // st['token_chunks']):,} tokens: no plan fits with the layers whole"]
+          if st.get("token_chunks") else []),
         f"  extrapolation    {ext['traced_layers']}-layer {ext['traced_plan']} plan {gib(ext['traced_peak_bytes'])}; "
         f"saved on the device per layer: "
         + ", ".join(f"{p} {gib(n)}" for p, n in ext["saved_device_bytes_per_layer"].items()),
