@@ -9,6 +9,7 @@
 - Option "auto": a step that fits is compiled unchanged; one that fits only chunked gets the
   fewest chunks whose plan fits, chosen by the planner.
 - The op's planned working set is what the CPU stand-in measures (within 5%).
+- A user's bad value for the option is refused with the valid ones.
 """
 import copy
 
@@ -143,20 +144,17 @@ def test_fp32_parity_with_runs_chunked(name):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=lambda m: f"{pname}: {m}")
+    if name == "hand-written":
+        _check_hand_written_runs(decoder)
 
 
-def test_runs_are_recognised_by_their_ops():
-    """The hand-written block: before attention the norm and the qkv projection; after it the
-    output projection, the residual add, the norm, the gated MLP and the last residual add.
-    Attention and its reshapes stay outside."""
-    torch.manual_seed(0)
-    _train(_Model(), {"token_chunks": 2}, _batches(n=1))
-    fwd, _ = _chunked_nodes()
-    descriptions = [token_chunks.body_of(n.args[0]).ops for n in fwd if info(n).layer.endswith("layers.0")]
-    assert len(descriptions) == 2
-    before, after = descriptions
-    assert "linear" in before and "rsqrt" in before and "scaled_dot_product_attention" not in before + after
-    assert before.count("linear") == 1 and after.count("linear") == 4 and "silu" in after
+def _check_hand_written_runs(decoder):
+    """Before attention: the norm and the qkv projection; after it: the output projection, the
+    residual add, the norm, the gated MLP and the last residual add. Attention stays outside."""
+    before, after = [token_chunks.body_of(n.args[0]).ops for n in decoder if info(n).layer == "layers.0"]
+    assert "rsqrt" in before and before.count("linear") == 1
+    assert after.count("linear") == 4 and "silu" in after and after.count("rsqrt") == 1
+    assert "scaled_dot_product_attention" not in before + after
 
 
 def test_bf16_losses_within_the_stock_tolerance():
@@ -168,9 +166,9 @@ def test_bf16_losses_within_the_stock_tolerance():
         torch.testing.assert_close(got, want, rtol=STOCK_LOSS_RTOL, atol=0)
 
 
-def _wide(seq=256):
+def _wide(seq=128):
     torch.manual_seed(0)
-    model = _Model(vocab=32, dim=16, hidden=256, layers=2)
+    model = _Model(vocab=32, dim=16, hidden=256, layers=1)
     x = torch.randint(0, 32, (1, seq), generator=torch.Generator().manual_seed(1))
     return model, (x, x)
 
@@ -184,29 +182,26 @@ def _compile_and_run(model, batch, options):
     return megacompile.last_report()
 
 
-def test_planned_working_set_is_the_measured_one():
-    """With the runs chunked, a chunk's replay and backward set the peak of the backward: the
-    planned peak (the op's working set from its traced slice programs) is the measured one."""
-    model, batch = _wide()
-    report = _compile_and_run(model, batch, {"token_chunks": 2, "recompute": "always"})
-    _, bwd = _chunked_nodes()
-    assert bwd and max(info(n).workspace_bytes for n in bwd) > 0
-    assert abs(report.measured_peak_device_bytes - report.planned_peak_device_bytes) \
-        <= 0.05 * report.planned_peak_device_bytes
-
-
 def test_auto_leaves_a_fitting_step_alone_and_chunks_one_that_only_fits_chunked():
+    """"auto": a step that fits is compiled unchanged; one that fits only chunked gets the
+    fewest chunks that fit. With the runs chunked, a chunk's replay and backward set the
+    backward's peak: the planned peak (the op's working set from its traced chunk programs)
+    is the measured one."""
     model, batch = _wide()
     _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": "1GiB"})
     assert _chunked_nodes() == ([], [])
     whole = None
     try:
-        _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": 1 << 20, "disable_passes":
+        _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": 1, "disable_passes":
                                                        ["fuse_lm_head", "chunk_tokens"]})
     except BudgetError as e:
         whole = e.minimum_budget
     assert whole is not None
     chunked = _compile_and_run(copy.deepcopy(model), batch, {"token_chunks": 16, "recompute": "always"})
+    _, bwd = _chunked_nodes()
+    assert bwd and max(info(n).workspace_bytes for n in bwd) > 0.2 * chunked.planned_peak_device_bytes
+    assert abs(chunked.measured_peak_device_bytes - chunked.planned_peak_device_bytes) \
+        <= 0.05 * chunked.planned_peak_device_bytes
     budget = (whole + chunked.planned_peak_device_bytes) // 2
     assert chunked.planned_peak_device_bytes < budget < whole
     report = _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": budget})

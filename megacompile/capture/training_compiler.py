@@ -270,14 +270,14 @@ class TrainingCompiler:
         working set shrinks with the count while the FLOPs stay (every count replays the run
         once), and each chunk adds its ops' launches, so fewer is faster."""
         tokens = max(token_chunks.call_tokens(n) for n in chunked)
-        counts = [1 << i for i in range(max(1, tokens).bit_length() + 1) if (1 << i) <= max(1, tokens)]
+        counts = [1 << i for i in range(1, tokens.bit_length()) if (1 << i) <= tokens] or [1]
 
         def at(count: int):
             for node in chunked:
                 token_chunks.set_chunks(node, count)
             return plan()
 
-        lo, hi, best = 0, len(counts) - 1, None
+        lo, hi = 0, len(counts) - 1
         best = (counts[hi], at(counts[hi]))  # the most chunks: if this does not fit, nothing does
         while lo < hi:
             mid = (lo + hi) // 2

@@ -67,11 +67,11 @@ MIN_CHUNK_TOKENS = 512
 
 
 def token_chunk_counts(tokens: int) -> list[int]:
-    """Chunk counts considered for ``tokens`` tokens: powers of two while chunks keep at least
-    ``MIN_CHUNK_TOKENS`` tokens."""
-    counts = [1]
-    while tokens // (counts[-1] * 2) >= MIN_CHUNK_TOKENS:
-        counts.append(counts[-1] * 2)
+    """Chunk counts considered for ``tokens`` tokens: powers of two from 2 while chunks keep at
+    least ``MIN_CHUNK_TOKENS`` tokens (none below twice that: layers stay whole)."""
+    counts: list[int] = []
+    while tokens // ((counts[-1] if counts else 1) * 2) >= MIN_CHUNK_TOKENS:
+        counts.append((counts[-1] if counts else 1) * 2)
     return counts
 
 
@@ -141,8 +141,8 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
         if (b, s) not in traces or (complete and not traces[(b, s)].complete):
             whole = traced(b, s, complete, None)
             traces[(b, s)] = whole
-            if whole.complete and _min_peak(whole, num_layers, host_free) > budget:
-                counts = token_chunk_counts(b * s)
+            counts = token_chunk_counts(b * s)
+            if counts and whole.complete and _min_peak(whole, num_layers, host_free) > budget:
                 fewest = _fewest_fitting(counts, lambda c: traced(b, s, True, c),
                                          lambda t: _min_peak(t, num_layers, host_free) <= budget)
                 if _min_peak(fewest, num_layers, host_free) < _min_peak(whole, num_layers, host_free):
@@ -170,21 +170,33 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
 
     searches: dict = {}
 
+    search_traces: dict = {}  # (batch, seq_len) -> trace with each layer's runs in chunks of ~MIN_CHUNK_TOKENS
+
+    def search_trace(b: int, s: int) -> Trace:
+        """What a search probes: the program with the most chunks considered (the least memory
+        chunking gives; any count fits if this one does), at a chunk size that does not change
+        with the probe, so the probes' memory stays a smooth function of the size (layers whole
+        below two chunks' worth of tokens)."""
+        if (b, s) not in search_traces:
+            chunks = b * s // MIN_CHUNK_TOKENS
+            search_traces[(b, s)] = traced(b, s, True, chunks if chunks >= 2 else None)
+        return search_traces[(b, s)]
+
     def search_axis(axis: str) -> SearchResult:
         if axis == "seq_len":
-            probe_traces = {s: t for (b, s), t in traces.items() if b == batch}
+            probe_traces = {s: t for (b, s), t in search_traces.items() if b == batch}
 
             def fits_at(s: int) -> bool:
-                probe_traces[s] = trace_at(batch, s)
+                probe_traces[s] = search_trace(batch, s)
                 return fits_memory(probe_traces[s])
 
             step = max(1, min(seq_multiple, seq_len))
             return search_largest("seq_len", fits_at, probe_traces, start=seq_len, step=step, lo_limit=step,
                                   hi_limit=max(seq_len, 1 << 21), predict_fits=fits_memory, max_probes=max_probes)
-        probe_traces = {b: t for (b, s), t in traces.items() if s == seq_len}
+        probe_traces = {b: t for (b, s), t in search_traces.items() if s == seq_len}
 
         def fits_at(b: int) -> bool:
-            probe_traces[b] = trace_at(b, seq_len)
+            probe_traces[b] = search_trace(b, seq_len)
             return fits_memory(probe_traces[b])
 
         return search_largest("batch", fits_at, probe_traces, start=batch, step=1, lo_limit=1,
@@ -330,7 +342,7 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
         method={
             "traced_layers": trace.k, "device": "meta", "policies_built": list(trace.policies),
             "repeat_check": {"identical": True, "quantities": sorted(trace.layer_checks)},
-            "probes": [{"batch": b, "seq_len": s} for (b, s) in traces],
+            "probes": [{"batch": b, "seq_len": s} for (b, s) in list(traces) + list(search_traces)],
             "seconds": timings,
         },
         scale_out=(scale_out(plan, trace, profile, num_params=num_params, num_layers=num_layers,
