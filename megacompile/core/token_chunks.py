@@ -143,7 +143,7 @@ def traced_slice(key: str, kind: str, tokens, shared, grads=(), needs: tuple = (
         else:
             gm = compat.trace_aten(_backward_fn(body, needs), [list(tokens), list(shared), grads])
         gm.graph.eliminate_dead_code()  # (the replayed forward's own outputs are not needed)
-        gm.recompile()
+        _device_neutral(gm)
         _TRACED[sig] = gm
     return gm
 
@@ -161,7 +161,28 @@ class _Runner(fx.Interpreter):
         return _tracked(super().call_function(target, args, kwargs))
 
 
+def _device_neutral(gm: fx.GraphModule) -> None:
+    """Traced on host fakes, casts and ``*_like`` ops carry ``device=cpu``: dropped, they keep
+    their input's device, so the program runs on any device. Factories without a tensor input
+    keep theirs (``_Runner`` replaces it)."""
+    for node in gm.graph.nodes:
+        first = node.args[0] if node.args else None
+        if "device" in node.kwargs and isinstance(first, fx.Node):
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}
+    gm.recompile()
+
+
+def _needs_runner(gm: fx.GraphModule) -> bool:
+    found = getattr(gm, "_megatrain_factories", None)
+    if found is None:
+        found = any("device" in n.kwargs for n in gm.graph.nodes)
+        gm._megatrain_factories = found
+    return found
+
+
 def _run(gm: fx.GraphModule, device: torch.device, *args):
+    if _observer.get() is None and (device.type == "cpu" or not _needs_runner(gm)):
+        return gm(*args)  # (its code frees each value after its last use, as _Runner does)
     return _Runner(gm, device).run(*args)
 
 
