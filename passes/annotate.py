@@ -79,8 +79,9 @@ def _chunked(node: fx.Node) -> tuple[int, str]:
     n = compat.int_hint(tokens[0].numel()) // max(1, compat.int_hint(tokens[0].shape[-1]))
     rows = min(n, token_chunks.chunk_rows(n, chunks))
     what = "backward: replays and backpropagates" if extra else "forward: computes"
-    note = (f"token-chunked run ({what} {token_chunks.body_of(body).describe()} over {chunks} chunk"
-            f"{'s' if chunks != 1 else ''} of {rows} of {n} tokens)")
+    count = -(-n // rows)  # (a count above the tokens runs one token a chunk)
+    note = (f"token-chunked run ({what} {token_chunks.body_of(body).describe()} over {count} chunk"
+            f"{'s' if count != 1 else ''} of {rows} of {n} tokens)")
     return token_chunks.workspace_bytes(node.target, body, chunks, tokens, shared, *extra), note
 
 
