@@ -28,6 +28,7 @@ from megacompile.core.collector import cycle_collector_paused
 from megacompile.core.errors import BudgetError, PlacementError, UnsupportedGraph
 from megacompile.core.node_info import source_to_name
 from megacompile.core.printer import format_graph
+from megacompile.core.units import format_bytes
 from megacompile.optimizer import eager_update_watch
 from megacompile.optimizer.host_step import fused_step_for, host_step_label, take_step_out_of_trace
 from megacompile.optimizer.ownership import optimizer_of_graph
@@ -147,6 +148,17 @@ def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def _neither_fits(whole: BudgetError, chunked: BudgetError) -> BudgetError:
+    """The error of the plans with the layers whole (its minimum is where they fit), naming
+    the lower minimum chunking reaches (where "auto" would chunk)."""
+    lower = chunked.minimum_budget if chunked.minimum_budget and whole.minimum_budget and \
+        chunked.minimum_budget < whole.minimum_budget else None
+    note = (f" With each layer's per-token runs in chunks (option token_chunks, which 'auto' picks at such a "
+            f"budget) it needs at least {lower} bytes ({format_bytes(lower)}).") if lower else ""
+    return BudgetError(f"{whole}{note}", minimum_budget=whole.minimum_budget, limiting_layer=whole.limiting_layer,
+                       streaming_floor=whole.streaming_floor, token_chunked_minimum=lower)
+
+
 def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, names, roles) -> tuple[Any, str | None]:
     """Dynamo's graph through the dynamo-stage passes and AOTAutograd (which calls the planner):
     (compiled, None), or (None, why) where the graph turns out unsupported."""
@@ -202,12 +214,15 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     retry = _graph_copy(gm) if chunk_tokens.may_retry(opts) else None
     try:
         compiled, unsupported = _compile_training(gm, example_inputs, opts, names, roles)
-    except BudgetError:
+    except BudgetError as whole:
         if retry is None or not chunk_tokens.has_runs(retry):
             raise
         log.info("megatrain: no plan fits memory_budget with the layers whole; chunking their per-token runs")
-        compiled, unsupported = _compile_training(retry, example_inputs, dataclasses.replace(
-            opts, token_chunks=chunk_tokens.PLANNER_CHOOSES), names, roles)
+        try:
+            compiled, unsupported = _compile_training(retry, example_inputs, dataclasses.replace(
+                opts, token_chunks=chunk_tokens.PLANNER_CHOOSES), names, roles)
+        except BudgetError as chunked:
+            raise _neither_fits(whole, chunked) from None
     if compiled is None:
         return _fallback(gm, example_inputs, opts, unsupported)
     # Compiled: from here on the optimizer's step() runs on the host without being traced.

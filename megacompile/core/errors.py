@@ -26,14 +26,17 @@ class BudgetError(MegacompileError, ValueError):
     ``minimum_budget`` is the smallest budget the planner could meet and ``limiting_layer``
     the layer whose working set sets it. ``streaming_floor`` (bytes, where the planner
     computed it) is what streaming layer by layer needs at least (``plan/streaming_floor.py``).
+    ``token_chunked_minimum`` (where it is lower): the smallest budget with each layer's
+    per-token runs in chunks (option ``token_chunks``; "auto" chunks at such a budget).
     """
 
     def __init__(self, message: str, minimum_budget: int, limiting_layer: str,
-                 streaming_floor: int | None = None):
+                 streaming_floor: int | None = None, token_chunked_minimum: int | None = None):
         super().__init__(message)
         self.minimum_budget = minimum_budget
         self.limiting_layer = limiting_layer
         self.streaming_floor = streaming_floor
+        self.token_chunked_minimum = token_chunked_minimum
 
 
 class PartialUpdateError(MegacompileError, RuntimeError):
