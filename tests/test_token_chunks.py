@@ -157,9 +157,14 @@ def _check_hand_written_runs(decoder):
     assert "scaled_dot_product_attention" not in before + after
 
 
-def test_bf16_losses_within_the_stock_tolerance():
+@pytest.mark.parametrize("name", ["hand-written", "hf-llama"])
+def test_bf16_losses_within_the_stock_tolerance(name):
+    """bf16 (the runs traced under autocast inside the op) against eager autocast: losses
+    within 2^-12 relative, the tolerance tests/test_bf16.py documents."""
     torch.manual_seed(0)
-    pairs, _ = _train(_Model(), {"token_chunks": 4, "precision": "bf16"}, _batches(), autocast=True)
+    model = _Model() if name == "hand-written" else _hf("llama")
+    pairs, _ = _train(model, {"token_chunks": 4, "precision": "bf16"}, _batches(n=1 if name == "hf-llama" else 2),
+                      autocast=True)
     assert _chunked_nodes()[0]
     for got, want in pairs:
         assert got.dtype == torch.float32
@@ -194,18 +199,14 @@ def test_auto_leaves_a_fitting_step_alone_and_chunks_one_that_only_fits_chunked(
         _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": 1})
     whole, lower = error.value.minimum_budget, error.value.token_chunked_minimum
     assert lower is not None and lower < whole and str(lower) in str(error.value)
-    chunked = _compile_and_run(copy.deepcopy(model), batch, {"token_chunks": 16, "recompute": "always"})
-    _, bwd = _chunked_nodes()
-    assert bwd and max(info(n).workspace_bytes for n in bwd) > 0.2 * chunked.planned_peak_device_bytes
-    assert abs(chunked.measured_peak_device_bytes - chunked.planned_peak_device_bytes) \
-        <= 0.05 * chunked.planned_peak_device_bytes
-    budget = (whole + max(lower, chunked.planned_peak_device_bytes)) // 2
-    assert chunked.planned_peak_device_bytes < budget < whole
+    budget = (whole + lower) // 2
     report = _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": budget})
     fwd, bwd = _chunked_nodes()
     count = fwd[0].args[token_chunks.CHUNKS_ARG]
     assert count > 1 and all(n.args[token_chunks.CHUNKS_ARG] == count for n in fwd + bwd)
-    assert report.planned_peak_device_bytes <= budget
+    planned, measured = report.planned_peak_device_bytes, report.measured_peak_device_bytes
+    assert planned <= budget and max(info(n).workspace_bytes for n in bwd) > 0.2 * planned
+    assert abs(measured - planned) <= 0.05 * planned
     with pytest.raises(BudgetError):  # the fewest: half as many chunks do not fit
         _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": budget, "token_chunks": count // 2})
 
