@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from megacompile.core import fused_head, ops, token_chunks
+from megacompile.core import ops, workspace
 from megacompile.core import torch_compat as compat
 from megacompile.core.enums import Role
 from megacompile.core.errors import PartialUpdateError
@@ -509,8 +509,7 @@ class StreamingProgram:
         # The stand-in's tracker sees op outputs; the fused head's chunk buffers are inside
         # one op, so that op reports them (on CUDA the allocator sees everything).
         observing = call.track and device.kind == "cpu"
-        with (fused_head.observe_workspace(device.track) if observing else contextlib.nullcontext()), \
-                (token_chunks.observe_workspace(device.track) if observing else contextlib.nullcontext()):
+        with workspace.observe(device.track) if observing else contextlib.nullcontext():
             result = self._run_instructions(call, env, recorder, profiled)
         env.clear()
         return result

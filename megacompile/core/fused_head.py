@@ -17,12 +17,11 @@ The chunk loop is shared; what runs per chunk is a ``ChunkKernels``. ``TORCH_KER
 registers a CUDA implementation whose chunk kernels are Triton (an online log-sum-exp over
 vocabulary tiles). ``workspace_bytes`` is what one call holds beyond its inputs and outputs,
 for the memory estimate; the torch kernels report their chunk buffers to
-``observe_workspace`` so the stand-in's tracker measures them.
+``workspace.observe`` so the stand-in's tracker measures them.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import importlib.util
 from typing import Callable, Optional
@@ -30,27 +29,9 @@ from typing import Callable, Optional
 import torch
 from torch.utils import flop_counter
 
+from megacompile.core import workspace
+
 REDUCTIONS = ("mean", "sum", "none")
-
-_observer: contextvars.ContextVar[Callable[[torch.Tensor], None] | None] = contextvars.ContextVar(
-    "megatrain_fused_head_observer", default=None)
-
-
-@contextlib.contextmanager
-def observe_workspace(track: Callable[[torch.Tensor], None]):
-    """While active, every chunk buffer the torch kernels allocate is passed to ``track``."""
-    token = _observer.set(track)
-    try:
-        yield
-    finally:
-        _observer.reset(token)
-
-
-def _tracked(t: torch.Tensor) -> torch.Tensor:
-    track = _observer.get()
-    if track is not None:
-        track(t)
-    return t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +49,12 @@ class ChunkKernels:
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
-    return _tracked(z)
+    return workspace.tracked(z)
 
 
 def _torch_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
     z = _logits(h, weight, bias)
-    zf = _tracked(z.float()) if z.dtype != torch.float32 else z
+    zf = workspace.tracked(z.float()) if z.dtype != torch.float32 else z
     del z
     if softcap:
         zf.div_(softcap).tanh_().mul_(softcap)
@@ -87,12 +68,12 @@ def _torch_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
 def _torch_backward(h, weight, bias, labels, lse, row_scale, softcap: float, ignore_index: int):
     z = _logits(h, weight, bias)
     dtype = z.dtype
-    zf = _tracked(z.float()) if dtype != torch.float32 else z
+    zf = workspace.tracked(z.float()) if dtype != torch.float32 else z
     del z
     slope = None
     if softcap:
         zf.div_(softcap).tanh_()
-        slope = _tracked(torch.square(zf)).neg_().add_(1)  # d(c * tanh(z / c)) / dz
+        slope = workspace.tracked(torch.square(zf)).neg_().add_(1)  # d(c * tanh(z / c)) / dz
         zf.mul_(softcap)
     probs = zf.sub_(lse.unsqueeze(1)).exp_()
     rows = torch.arange(probs.shape[0], device=probs.device)
@@ -101,7 +82,7 @@ def _torch_backward(h, weight, bias, labels, lse, row_scale, softcap: float, ign
     if slope is not None:
         probs.mul_(slope)
         del slope
-    return _tracked(probs.to(dtype)) if dtype != torch.float32 else probs
+    return workspace.tracked(probs.to(dtype)) if dtype != torch.float32 else probs
 
 
 TORCH_KERNELS = ChunkKernels(_torch_forward, _torch_backward)
@@ -173,8 +154,8 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     _check(hidden, weight, bias, labels, chunk_tokens, reduction)
     kernels = kernels_for(hidden.device)
     n = hidden.shape[0]
-    rows = _tracked(torch.empty(n, dtype=torch.float32, device=hidden.device))
-    lse = _tracked(torch.empty(n, dtype=torch.float32, device=hidden.device))
+    rows = workspace.tracked(torch.empty(n, dtype=torch.float32, device=hidden.device))
+    lse = workspace.tracked(torch.empty(n, dtype=torch.float32, device=hidden.device))
     for start, end in _chunks(n, chunk_tokens):
         rows[start:end], lse[start:end] = kernels.forward(hidden[start:end], weight, bias, labels[start:end],
                                                           softcap, ignore_index)
@@ -207,12 +188,12 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight:
     if reduction == "mean":
         grad = grad / valid.sum()
     row_scale = torch.where(valid, grad, 0.0)  # per token: the scalar's share, or its own ("none")
-    grad_hidden = _tracked(torch.empty_like(hidden, memory_format=torch.contiguous_format))
+    grad_hidden = workspace.tracked(torch.empty_like(hidden, memory_format=torch.contiguous_format))
     # Weight gradient: accumulated in fp32 (a bf16 running sum would round at every chunk).
     wide = weight.dtype != torch.float32
     grad_weight = None
     if weight_grad:
-        grad_weight = _tracked(torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wide
+        grad_weight = workspace.tracked(torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wide
                                else torch.zeros_like(weight, memory_format=torch.contiguous_format))
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
     for start, end in _chunks(n, chunk_tokens):
@@ -223,7 +204,7 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight:
         if grad_weight is not None:
             if wide:  # the product in the matmul's dtype, a block of vocabulary rows at a time
                 for v0, v1 in _chunks(vocab, _block_rows(h)):
-                    grad_weight[v0:v1].add_(_tracked(torch.mm(dz[:, v0:v1].t(), h)))
+                    grad_weight[v0:v1].add_(workspace.tracked(torch.mm(dz[:, v0:v1].t(), h)))
             else:
                 grad_weight.addmm_(dz.t(), h)
         if grad_bias is not None:

@@ -14,42 +14,21 @@ captured, over (rows, width) tensors. What one slice runs is that graph traced t
 (``torch_compat.trace_aten``: the autograd and autocast of the slice made explicit), cached
 per slice shape; the same traced graphs give the memory a slice needs (``workspace_bytes``,
 by a liveness walk) and the FLOPs, and on the CPU stand-in they run node by node with every
-value reported to the tracker (``observe_workspace``), so planned and measured peaks count
+value reported to the tracker (``workspace.observe``), so planned and measured peaks count
 the same tensors.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import itertools
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
 from torch.utils import flop_counter
 
 from megacompile.core import torch_compat as compat
-
-_observer: contextvars.ContextVar[Callable[[torch.Tensor], None] | None] = contextvars.ContextVar(
-    "megatrain_token_chunks_observer", default=None)
-
-
-@contextlib.contextmanager
-def observe_workspace(track: Callable[[torch.Tensor], None]):
-    """While active, every tensor a chunked run makes inside its op is passed to ``track``."""
-    token = _observer.set(track)
-    try:
-        yield
-    finally:
-        _observer.reset(token)
-
-
-def _tracked(t):
-    track = _observer.get()
-    if track is not None and isinstance(t, torch.Tensor):
-        track(t)
-    return t
+from megacompile.core import workspace
 
 
 @dataclasses.dataclass
@@ -158,7 +137,7 @@ class _Runner(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if "device" in kwargs and self.device.type != "cpu":  # traced on host fakes
             kwargs = {**kwargs, "device": self.device}
-        return _tracked(super().call_function(target, args, kwargs))
+        return workspace.tracked(super().call_function(target, args, kwargs))
 
 
 def _device_neutral(gm: fx.GraphModule) -> None:
@@ -181,7 +160,7 @@ def _needs_runner(gm: fx.GraphModule) -> bool:
 
 
 def _run(gm: fx.GraphModule, device: torch.device, *args):
-    if _observer.get() is None and (device.type == "cpu" or not _needs_runner(gm)):
+    if not workspace.observing() and (device.type == "cpu" or not _needs_runner(gm)):
         return gm(*args)  # (its code frees each value after its last use, as _Runner does)
     return _Runner(gm, device).run(*args)
 
@@ -219,7 +198,7 @@ def token_chunked(body: str, chunks: int, tokens: list[torch.Tensor], shared: li
         gm = traced_slice(body, "forward", part, shared)
         got = _run(gm, tokens[0].device, part, list(shared))
         if outs is None:
-            outs = [_tracked(torch.empty((n, o.shape[-1]), dtype=o.dtype, device=o.device)) for o in got]
+            outs = [workspace.tracked(torch.empty((n, o.shape[-1]), dtype=o.dtype, device=o.device)) for o in got]
         for out, o in zip(outs, got):
             out[start:end] = o
         del got
@@ -249,7 +228,7 @@ def token_chunked_backward(body: str, chunks: int, tokens: list[torch.Tensor], s
     needs = tuple(bool(x) for x in needs)
     flat = [_rows(t) for t in tokens]
     k = len(tokens)
-    token_grads = [_tracked(torch.empty(f.shape, dtype=f.dtype, device=f.device)) if need else None
+    token_grads = [workspace.tracked(torch.empty(f.shape, dtype=f.dtype, device=f.device)) if need else None
                    for f, need in zip(flat, needs[:k])]
     sums: list = [None] * len(shared)  # weight gradients, summed over slices (fp32 where narrower)
     for start, end in _slices(n, chunks):
@@ -264,7 +243,8 @@ def token_chunked_backward(body: str, chunks: int, tokens: list[torch.Tensor], s
             if i < k:
                 token_grads[i][start:end] = g
             elif sums[i - k] is None:
-                sums[i - k] = g if g.dtype == torch.float64 or g.dtype == torch.float32 else _tracked(g.float())
+                wide = g.dtype in (torch.float32, torch.float64)
+                sums[i - k] = g if wide else workspace.tracked(g.float())
             else:
                 sums[i - k].add_(g)
             del g
