@@ -24,6 +24,36 @@ def fresh_dynamo():
     COMPILED.clear()
 
 
+# The script the `inspect` tests run (cli, onnx): a 2-layer MLP trained for 2 steps on the
+# CPU stand-in. megatrain compiles the forward+loss (graph with forward and backward), the SGD
+# step (host graph) and the loss.detach() glue.
+MLP_TRAIN_SCRIPT = """\
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step(x, y):
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+for _ in range(2):
+    print("loss", step(torch.randn(4, 8), torch.randn(4, 4)).item())
+print("argv", sys.argv[1:], "inspect", os.environ.get("MEGACOMPILE_INSPECT"))
+"""
+
+
 def compile_small_training_graph(**options):
     """Compiles and runs one step of a 2-linear MLP on the CPU stand-in (eager lowering, plus
     ``options``); returns the record of its training graph."""

@@ -7,6 +7,7 @@ forces streaming (and, for the deeper ones, recompute).
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -160,3 +161,19 @@ def labels_training_step(model: nn.Module, lr: float = 1e-3, wrap_optimizer=None
         return loss.detach()
 
     return step
+
+
+def train_side_by_side(model: nn.Module, step_of, batches, options: dict, autocast: bool = False):
+    """Trains ``model`` compiled with megatrain (CPU stand-in, eager lowering, plus ``options``)
+    and a deep copy eagerly (under bf16 autocast if ``autocast``), ``step_of(m)`` making each
+    one's step, on the same batches. Returns ([(compiled loss, eager loss), ...], the copy)."""
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(step_of(model), backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", **options})
+    eager = step_of(reference)
+    pairs = []
+    for batch in batches:
+        got = compiled(*batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            pairs.append((got, eager(*batch)))
+    return pairs, reference

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import COMPILED
+from conftest import COMPILED, MLP_TRAIN_SCRIPT
 
 from megacompile.cli import commands as cli
 
@@ -23,41 +23,11 @@ PASSES = {
     "backward": ["annotate", "host_casts", "recompute", "stream_parameters", "offload_gradients"],
 }
 
-# A 2-layer MLP trained for 2 steps on the CPU stand-in: megatrain compiles the forward+loss
-# (graph with forward and backward), the SGD step (host graph) and the loss.detach() glue.
-TRAIN_SCRIPT = """\
-import os
-import sys
-
-import torch
-import torch.nn as nn
-
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def step(x, y):
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
-
-
-step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
-for _ in range(2):
-    print("loss", step(torch.randn(4, 8), torch.randn(4, 4)).item())
-print("argv", sys.argv[1:], "inspect", os.environ.get("MEGACOMPILE_INSPECT"))
-"""
-
-
-
 
 @pytest.fixture
 def train_script(tmp_path):
     path = tmp_path / "train_mlp.py"
-    path.write_text(TRAIN_SCRIPT)
+    path.write_text(MLP_TRAIN_SCRIPT)
     return path
 
 

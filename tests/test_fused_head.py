@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import COMPILED
-from reference_models import GPT, REFERENCE_MODELS, make_training_step
+from reference_models import GPT, REFERENCE_MODELS, make_training_step, train_side_by_side
 from test_bf16 import STOCK_LOSS_RTOL
 
 import megacompile
@@ -208,16 +208,7 @@ def _hf(name: str):
 
 
 def _train(model, step_of, batches, options, autocast=False):
-    reference = copy.deepcopy(model)
-    compiled = torch.compile(step_of(model), backend="megatrain",
-                             options={"device": "cpu", "lowering": "eager", "head_chunk_tokens": 8, **options})
-    eager = step_of(reference)
-    pairs = []
-    for batch in batches:
-        got = compiled(*batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            pairs.append((got, eager(*batch)))
-    return pairs, reference
+    return train_side_by_side(model, step_of, batches, {"head_chunk_tokens": 8, **options}, autocast)
 
 
 def _fused_in_last_graph():

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import compile_small_training_graph
+from conftest import MLP_TRAIN_SCRIPT, compile_small_training_graph
 from onnx.reference import ReferenceEvaluator
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -23,35 +23,13 @@ from megacompile.cli.onnx_program import ATEN_DOMAIN, MEMORY_DOMAIN, program_to_
 from megacompile.core import ops
 from megacompile.core.node_info import info
 
-SCRIPT = """\
-import torch
-import torch.nn as nn
-
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def step(x, y):
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
-
-
-step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
-for _ in range(2):
-    step(torch.randn(4, 8), torch.randn(4, 4))
-"""
-
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(records, output directory) of one `inspect --format onnx` run."""
     root = tmp_path_factory.mktemp("onnx")
     script = root / "train_mlp.py"
-    script.write_text(SCRIPT)
+    script.write_text(MLP_TRAIN_SCRIPT)
     out = root / "out"
     with recording() as records:
         assert cli.main(["inspect", "--format", "onnx", "--out", str(out), str(script)]) == 0
@@ -169,6 +147,6 @@ def test_bf16_programs_pass_the_checker():
 
 def test_onnx_needs_an_output_directory(tmp_path, capsys):
     script = tmp_path / "train_mlp.py"
-    script.write_text(SCRIPT)
+    script.write_text(MLP_TRAIN_SCRIPT)
     assert cli.main(["inspect", "--format", "onnx", str(script)]) == 2
     assert "--format onnx writes files: give the directory with --out DIR" in capsys.readouterr().err

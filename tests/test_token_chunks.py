@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import COMPILED
+from reference_models import train_side_by_side
 from test_bf16 import STOCK_LOSS_RTOL
 
 import megacompile
@@ -106,16 +107,7 @@ def _batches(n=2, batch=2, seq=16, vocab=64):
 
 
 def _train(model, options, batches, autocast=False):
-    reference = copy.deepcopy(model)
-    compiled = torch.compile(_step_of(model), backend="megatrain",
-                             options={"device": "cpu", "lowering": "eager", **options})
-    eager = _step_of(reference)
-    pairs = []
-    for batch in batches:
-        got = compiled(*batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            pairs.append((got, eager(*batch)))
-    return pairs, reference
+    return train_side_by_side(model, _step_of, batches, options, autocast)
 
 
 def _chunked_nodes():
