@@ -219,7 +219,7 @@ def _fused_in_last_graph():
 
 def _steps_with_loss(loss_of):
     def step_of(model):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
 
         def step(x, y):
             loss = loss_of(model, x, y)
