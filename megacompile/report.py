@@ -68,6 +68,9 @@ class StepReport:
     # the CPU stand-in pins nothing) and the cap on them (option pinned_host_memory).
     pinned_host_bytes: int = 0
     pinned_host_cap: int | None = None
+    # Host buffers the forwards' offloaded activations land in, exactly their size and reused
+    # every step (runtime/host_arena.py): bytes held after the step.
+    offload_arena_bytes: int = 0
     # A data-parallel model (megacompile.data_parallel): runtime.data_parallel.DataParallelStats
     # as a dict (world_size, rank, synced, buckets, reduced_bytes, exposed_seconds,
     # sharded_optimizer, shared_parameters); None otherwise.
@@ -90,6 +93,8 @@ class StepReport:
             *([f"  pinned host          {format_bytes(self.pinned_host_bytes)}"
                + (f" (cap {format_bytes(self.pinned_host_cap)})" if self.pinned_host_cap is not None else "")]
               if self.pinned_host_bytes or self.pinned_host_cap is not None else []),
+            *([f"  offload arenas       {format_bytes(self.offload_arena_bytes)} (host, reused every step)"]
+              if self.offload_arena_bytes else []),
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
@@ -257,7 +262,8 @@ class StepRecorder:
                              measured=measured, reserved=reserved, host_graphs=list(cur["host_graphs"]),
                              optimizer=cur["optimizer"],
                              staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped,
-                             pinned=(device.pinned.pinned, device.pinned.cap))
+                             pinned=(device.pinned.pinned, device.pinned.cap),
+                             offload_arena_bytes=device.host_buffer_bytes)
         reduced = cur.get("data_parallel")
         self._data_parallel = dataclasses.asdict(reduced) if reduced is not None else None
         self._last = None

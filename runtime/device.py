@@ -26,6 +26,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megacompile.core import torch_compat as compat
+from megacompile.core.host_memory import check_host_allocation
 from megacompile.runtime import trace
 from megacompile.runtime.pinned_memory import PinnedHostBudget
 from megacompile.runtime.tracker import ArenaTracker, CudaTracker
@@ -69,6 +70,8 @@ class StreamingDevice:
         self.pinned = PinnedHostBudget()
         # The bf16 copies of host weights that loads carry (runtime/weight_copies.py).
         self.weight_copies = WeightCopies(page_lock=self.page_locks_weight_copies, pinned=self.pinned)
+        # Bytes of the host buffers offloaded activations land in (runtime/host_arena.py), live now.
+        self.host_buffer_bytes = 0
 
     def reset_stats(self) -> None:
         self.stats = TransferStats()
@@ -78,8 +81,26 @@ class StreamingDevice:
     def load(self, host: torch.Tensor, name: str, layer: str | None, track: bool = True) -> torch.Tensor:
         raise NotImplementedError
 
-    def offload(self, device_tensor: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
+    def offload(self, device_tensor: torch.Tensor, name: str, layer: str | None,
+                into: torch.Tensor | None = None) -> torch.Tensor:
+        """Copies ``device_tensor`` to the host: into ``into`` (a view of an offload arena,
+        same shape and strides) where given, else into a host tensor of its own."""
         raise NotImplementedError
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of exactly ``nbytes`` (uint8) kept across steps: an offload arena."""
+        check_host_allocation(nbytes, "the host buffer offloaded activations land in (one per forward "
+                                      "whose backward has not run yet)")
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.host_buffer_bytes += nbytes
+        weakref.finalize(buffer, self._host_buffer_freed, nbytes)
+        return buffer
+
+    def _host_buffer_freed(self, nbytes: int) -> None:
+        self.host_buffer_bytes -= nbytes
+
+    def before_host_buffer_reuse(self) -> None:
+        """Called before a host buffer is written again: reads of it still in flight end first."""
 
     def share(self, host: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
         """A load without a copy (only where ``shares_host_memory``): a tensor over the host
@@ -128,8 +149,8 @@ class CpuStandInDevice(StreamingDevice):
         self.stats.add("h2d", layer, host.numel() * host.element_size())
         return dev
 
-    def offload(self, device_tensor, name, layer):
-        host = device_tensor.clone(memory_format=torch.preserve_format)
+    def offload(self, device_tensor, name, layer, into=None):
+        host = device_tensor.clone(memory_format=torch.preserve_format) if into is None else into.copy_(device_tensor)
         self.stats.add("d2h", layer, device_tensor.numel() * device_tensor.element_size())
         return host
 
@@ -221,15 +242,31 @@ class CudaDevice(StreamingDevice):
             recorder.add_cuda_copy("h2d", name, {"layer": layer, "bytes": nbytes}, copy_start, event)
         return dev
 
-    def offload(self, device_tensor, name, layer):
+    def host_buffer(self, nbytes):
+        buffer = super().host_buffer(nbytes)
+        if self.pinned.try_pin(nbytes):  # else pageable: its copies are synchronous, never wrong
+            compat.register_host_memory(buffer)
+            weakref.finalize(buffer, compat.unregister_host_memory, buffer.data_ptr())
+            weakref.finalize(buffer, self.pinned.release, nbytes)
+        return buffer
+
+    def before_host_buffer_reuse(self):
+        # The backward's loads read the buffer on the h2d stream, possibly still after the
+        # last reference to its values was dropped: the next offloads into it come after them.
+        self.d2h_stream.wait_stream(self.h2d_stream)
+
+    def offload(self, device_tensor, name, layer, into=None):
         if device_tensor.device.type == "cpu":
             return device_tensor
         nbytes = device_tensor.numel() * device_tensor.element_size()
-        pin = self.pinned.try_pin(nbytes)
-        host = torch.empty_strided(device_tensor.shape, device_tensor.stride(), dtype=device_tensor.dtype,
-                                   device="cpu", pin_memory=pin)
-        if pin:
-            weakref.finalize(host, self.pinned.release, nbytes)
+        if into is not None:
+            host = into
+        else:
+            pin = self.pinned.try_pin(nbytes)
+            host = torch.empty_strided(device_tensor.shape, device_tensor.stride(), dtype=device_tensor.dtype,
+                                       device="cpu", pin_memory=pin)
+            if pin:
+                weakref.finalize(host, self.pinned.release, nbytes)
         compute = torch.cuda.current_stream(self.torch_device)
         self.d2h_stream.wait_stream(compute)
         recorder = trace.active()

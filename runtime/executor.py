@@ -38,6 +38,7 @@ from megacompile.runtime import profiler_ranges
 from megacompile.runtime import trace as _trace
 from megacompile.runtime.device import StreamingDevice
 from megacompile.runtime.gradient_sink import GradientSink
+from megacompile.runtime.host_arena import ArenaPool, arena_bytes
 from megacompile.runtime.instructions import (
     SKIPPED,
     Call,
@@ -152,6 +153,14 @@ def _returned_once(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     return {r: position for position, r in enumerate(returned) if isinstance(r, fx.Node) and times[r] == 1}
 
 
+def _saved_offloads(returned: dict[fx.Node, int], saved_from: int | None) -> set[fx.Node]:
+    """A forward's offloaded activations that it returns only for the backward (positions from
+    ``saved_from`` on: AOTAutograd puts the user's outputs first), never to the user."""
+    if saved_from is None:
+        return set()
+    return {n for n, position in returned.items() if n.target is ops.offload and position >= saved_from}
+
+
 def _is_host_op(n: fx.Node) -> bool:
     return n.op == "call_function" and not ops.is_memory_op(n) and has_info(n) and info(n).placement == "host"
 
@@ -201,6 +210,7 @@ class _Lowering:
         self.nodes = nodes
         self.returned = _returned_once(nodes)
         self.staged = _staged_on_host(nodes)
+        self.to_arena = _saved_offloads(self.returned, program.saved_from) if not program.share_host_memory else set()
         # bf16: returned cast -> the offloaded narrow copy it widens, and that copy -> the
         # cast's returned position.
         self.widens: dict[fx.Node, fx.Node] = {}
@@ -328,7 +338,8 @@ class _Lowering:
         if node.target is ops.load:
             return Load(out=out, tag=tag, **common)
         returns = self.widened_at.get(node, self.returned.get(node))
-        return Offload(out=out, tag=tag, staged=node in self.staged, returns=returns, **common)
+        return Offload(out=out, tag=tag, staged=node in self.staged, returns=returns,
+                       to_arena=node in self.to_arena, **common)
 
 
 def _plan_frees(instructions: list[Instruction], input_slots: list[int], output_template: Any) -> list[int]:
@@ -367,8 +378,12 @@ class StreamingProgram:
         label: str = "program",
         check_inputs: Callable[[list], None] | None = None,
         share_host_memory: bool = False,
+        saved_from: int | None = None,
     ) -> None:
         self.gm = gm
+        # A forward: the position of its first value saved for the backward (its offloaded
+        # activations among them go to exact-size host buffers reused every step).
+        self.saved_from = saved_from
         # Loads and offloads share host tensors instead of copying them (the caller decides:
         # only on a device whose memory is the host's, where no peak is measured and no
         # parameter changes while a program that read it still runs).
@@ -407,6 +422,11 @@ class StreamingProgram:
         self.output_template = lowering.output_template
         self.num_slots = len(lowering.slots)
         self.free_at_start = _plan_frees(self.instructions, self.input_slots, self.output_template)
+        self.arena_pool = None
+        if lowering.to_arena and not self.share_host_memory:
+            traced = [n.args[0].meta.get("val") for n in lowering.to_arena]
+            self.arena_pool = ArenaPool(self.device.host_buffer, self.device.before_host_buffer_reuse,
+                                        size=arena_bytes(traced))
 
     def _segment(self, seg_nodes: list[fx.Node], slot_of: Callable[[fx.Node], int]) -> Segment:
         inside = set(seg_nodes)
@@ -505,12 +525,16 @@ class StreamingProgram:
         if self.memory_log is not None:
             self.memory_log.clear()
         call = Call(env, device, sink, track=self.lowering == "eager", share=self.share_host_memory,
-                    compile=self._compile)
+                    compile=self._compile, arena=self.arena_pool.lease() if self.arena_pool is not None else None)
         # The stand-in's tracker sees op outputs; the fused head's chunk buffers are inside
         # one op, so that op reports them (on CUDA the allocator sees everything).
         observing = call.track and device.kind == "cpu"
-        with workspace.observe(device.track) if observing else contextlib.nullcontext():
-            result = self._run_instructions(call, env, recorder, profiled)
+        try:
+            with workspace.observe(device.track) if observing else contextlib.nullcontext():
+                result = self._run_instructions(call, env, recorder, profiled)
+        finally:
+            if call.arena is not None:
+                self.arena_pool.finished(call.arena)
         env.clear()
         return result
 

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from megacompile.runtime.device import StreamingDevice
 from megacompile.runtime.gradient_sink import GradientSink
+from megacompile.runtime.host_arena import ArenaLease
 
 
 class Slot:
@@ -71,6 +72,8 @@ class Call:
     # Loads and offloads share host memory instead of copying (StreamingProgram.share_host_memory).
     share: bool
     compile: Callable[[fx.GraphModule, list], Callable]
+    # Where this call's offloaded activations go (runtime/host_arena.py); None: each its own.
+    arena: ArenaLease | None = None
 
 
 # Returned by an instruction that did nothing this call: it is not traced, logged or freed after.
@@ -285,6 +288,8 @@ class Offload(Instruction):
     staged: bool = False
     # The returned position this copy stands for: its own, or that of the ``Widen`` cast of it.
     returns: int | None = None
+    # An activation the forward saves for the backward: copied into the call's offload arena.
+    to_arena: bool = False
 
     def reads(self) -> list[int]:
         return [self.source]
@@ -297,7 +302,9 @@ class Offload(Instruction):
         if call.share:
             host = device.hand_over(call.env[self.source], self.tag, self.layer)
         else:
-            host = device.offload(call.env[self.source], self.tag, self.layer)
+            value = call.env[self.source]
+            into = call.arena.place(value) if self.to_arena and call.arena is not None else None
+            host = device.offload(value, self.tag, self.layer, into=into)
         if self.returns is not None and call.sink.owns(self.returns):
             # Taken as soon as it lands: the program returns None for it and keeps no host copy.
             call.sink.take(self.returns, host, self.layer, device.completion(host))

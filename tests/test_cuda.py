@@ -227,3 +227,38 @@ def test_cuda_pinned_host_memory_cap_keeps_tensors_pageable_and_results_equal():
         assert megacompile.last_report().pinned_host_cap == 0
     finally:
         device.pinned.cap = None
+
+
+def test_cuda_offloaded_activations_land_in_one_page_locked_arena(monkeypatch):
+    """At the minimum budget with recompute off, the forward's offloads go to one exact-size,
+    page-locked host buffer reused every step (no pinned caching-allocator block per value),
+    and training equals eager."""
+    from conftest import record_programs
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
+    options = {"device": "cuda", "lowering": "eager", "recompute": "never"}
+    torch.manual_seed(0)
+    with pytest.raises(megacompile.BudgetError) as e:
+        torch.compile(make_training_step(ctor(), loss_fn)[0], backend="megatrain",
+                      options={**options, "memory_budget": 1024})(*make_batch(torch.Generator().manual_seed(1)))
+    torch._dynamo.reset()
+    programs = record_programs(monkeypatch)
+    torch.manual_seed(0)
+    model = ctor()
+    reference = copy.deepcopy(model).cuda()
+    step = torch.compile(make_training_step(model, loss_fn)[0], backend="megatrain",
+                         options={**options, "memory_budget": e.value.minimum_budget})
+    eager_step, _ = make_training_step(reference, loss_fn)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = make_batch(gen)
+        torch.testing.assert_close(step(x, y), eager_step(x.cuda(), y.cuda()).cpu(), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q.cpu(), rtol=0, atol=1e-5)
+    (program,) = [p for p in programs if p.arena_pool is not None]
+    stats = program.arena_pool.stats
+    assert stats.arenas_made == 1 and stats.spilled == 0 and stats.placed > 0
+    (arena,) = program.arena_pool._arenas
+    assert arena.buffer.is_pinned()  # registered in place, so its copies are true DMAs
+    assert megacompile.last_report().offload_arena_bytes >= arena.capacity

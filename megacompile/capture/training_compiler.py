@@ -91,6 +91,8 @@ class TrainingCompiler:
         self.input_names = input_names
         self.input_roles = input_roles
         self.lower = lowering_fn
+        # Set by ``partition``: the forward returns the backward's saved values after these.
+        self.num_fwd_outputs: int | None = None
         self.record = CompiledGraph(label=f"graph{next(_graph_counter)}", options=options)
         # The passes' snapshots of Dynamo's graph (stage "dynamo"), shown before the plan's.
         self.captured_snapshots: list = []
@@ -175,6 +177,7 @@ class TrainingCompiler:
 
     # --- AOTAutograd callbacks ----------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_unused):
+        self.num_fwd_outputs = num_fwd_outputs
         if isinstance(joint_inputs, (list, tuple)) and len(joint_inputs) == 0:
             # AOTAutograd partitions a nested_compile_region body's own joint graph (once per
             # distinct body, with no inputs) before the step's: save everything its backward
@@ -300,7 +303,7 @@ class TrainingCompiler:
     @torch.compiler.disable
     def compile_forward(self, gm: fx.GraphModule, example_inputs) -> Any:
         program = self.lower(self._same_or_ours(gm, self.record.forward), start_step=True, record=self.record,
-                             part="forward")
+                             part="forward", saved_from=self.num_fwd_outputs)
 
         def observe(args: list) -> None:
             self.param_inputs.observe(args)
@@ -487,13 +490,14 @@ def lower_with(options: Options, device):
     # are compiled once.
     compile_segment = SegmentCache(compat.inductor_compile)
 
-    def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str):
+    def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str,
+              saved_from: int | None = None):
         started = time.perf_counter()
-        program = _lower(gm, start_step=start_step, record=record, part=part)
+        program = _lower(gm, start_step=start_step, record=record, part=part, saved_from=saved_from)
         log.info("%s %s: lowered (%s) in %.1f s", record.label, part, options.lowering, time.perf_counter() - started)
         return program
 
-    def _lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str):
+    def _lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str, saved_from: int | None):
         record.segment_stats = compile_segment.stats
         on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
         ends_step_part = start_step or record.plan.policy != "inference"
@@ -506,7 +510,8 @@ def lower_with(options: Options, device):
         # mid-backward, and only a separate copy keeps the backward's reads from seeing it).
         share = device.shares_host_memory and not record.measures_peak and not options.overlaps_optimizer
         program = StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
-                                   label=f"{record.label} {part}", check_inputs=check, share_host_memory=share)
+                                   label=f"{record.label} {part}", check_inputs=check, share_host_memory=share,
+                                   saved_from=saved_from)
         if part == "forward" and start_step:
             program.on_outputs = lambda outputs: RECORDER.forward_returned(record, outputs)
         if options.keeps_snapshots and record.measures_peak:  # inspect: the measured curve for --plot

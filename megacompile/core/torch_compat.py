@@ -442,6 +442,13 @@ def unregister_host_memory(data_ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(data_ptr)
 
 
+def storage_use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage: every tensor or view over it holds one (torch's CUDA
+    graph trees read liveness the same way). Compare counts taken alike: the call itself holds
+    one through the storage object it makes."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 # --- torch.profiler -----------------------------------------------------------------------
 _autograd_profiler = torch.autograd.profiler
 
