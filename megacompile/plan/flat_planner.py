@@ -60,6 +60,18 @@ class Attempt:
         return self.plan.peak_bytes
 
 
+STREAMING_REASON = "layer input of a replayed layer, kept on the host until its backward"
+
+
+def streaming_minimum_spec(recompute_all: Attempt) -> PlanSpec:
+    """The ladder's bottom rung: every layer replayed, and every value the recompute-all plan
+    saves (the layers' inputs) offloaded to the host (``megacompile plan`` traces it too)."""
+    saved = recompute_all.plan.saved_values
+    return PlanSpec(name="recompute, layer inputs offloaded (all layers)", default_policy=Policy.RECOMPUTE,
+                    value_policy={v: Policy.OFFLOAD for v in saved},
+                    value_reason={v: STREAMING_REASON for v in saved})
+
+
 def _saved_device_bytes_by_layer(attempt: Attempt) -> dict[str, int]:
     """Device bytes the forward hands to the backward, per layer, by storage: a saved view
     counts its base's bytes (once, however many views of it are saved)."""
@@ -466,11 +478,7 @@ def plan_training(
     # so the backward holds one layer's boundary instead of all of them. Added after the
     # mixes so their spans (keep .. floor) and hence the plans at larger budgets stay as they were.
     if recompute_all is not None and recompute_all.plan.saved_values:
-        streaming = make(PlanSpec(
-            name="recompute, layer inputs offloaded (all layers)", default_policy=Policy.RECOMPUTE,
-            value_policy={v: Policy.OFFLOAD for v in recompute_all.plan.saved_values},
-            value_reason={v: "layer input of a replayed layer, kept on the host until its backward"
-                          for v in recompute_all.plan.saved_values}))
+        streaming = make(streaming_minimum_spec(recompute_all))
         if streaming.peak < recompute_all.peak:
             candidates.append(streaming)
 
