@@ -18,6 +18,7 @@ from conftest import COMPILED
 from megacompile.cli import commands as cli
 from megacompile.cli import presets
 from megacompile.cli.plan_command import (
+    DECODER_LAYER,
     POLICIES,
     RESIDENT,
     STREAMED,
@@ -523,3 +524,37 @@ def test_cached_trace_is_replanned_for_a_smaller_budget():
     assert tight.trace.complete and tight.device["fits"]
     assert tight.device["plan"].startswith("per-layer") or "offload" in tight.device["plan"] \
         or "recompute" in tight.device["plan"]
+
+
+def test_runtime_streamed_mix_agrees_with_the_extrapolation(traces):
+    """Under every 4-layer plan without streamed layers, the runtime planner itself picks a
+    per-layer mix with streamed layers (``flat_planner._streamed_mixes``, the same
+    ``plan/streamed_layers.mixed_spec`` the plan command traces); the 2-layer trace extrapolated
+    to that mix's counts gives its peak (within 5%, or a safe overestimate for two upgraded
+    policies, as for the mixes above) and its device time (1%)."""
+    from megacompile.capture import records
+    from megacompile.plan.cost_model import step_time
+
+    four, two = traces["four"], traces["two"]
+    budget = min(four.policies[p].peak for p in ("keep", "offload", "recompute")) - 1
+    assert four.policies[STREAMED].peak < budget
+    model = meta_model.build_model(traces["config"], 4)
+    compiled = torch.compile(meta_model.make_step(model), backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", "memory_budget": budget,
+                                      "plan_repeats": "flat"})
+    x = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    with records.recording() as built, meta_model._meta_placement():
+        compiled(x, x)
+    (record,) = [r for r in built if r.backward is not None]
+    plan = record.plan
+    per_layer = {layer: row["name"] for layer, row in plan.layer_costs.items()}
+    decoder = {layer: p for layer, p in per_layer.items() if DECODER_LAYER.search(layer)}
+    counts = {p: sum(1 for v in decoder.values() if v == p) for p in POLICIES}
+    assert plan.policy.startswith("per-layer (") and 0 < counts[STREAMED] < 4, (plan.policy, per_layer)
+    assert all(p == "keep" for layer, p in per_layer.items() if layer not in decoder), per_layer  # glue kept
+    assert plan.peak_bytes <= budget
+    predicted = full_depth.evaluate(two, counts)
+    both = sum(1 for p in POLICIES[1:] if counts[p]) >= 2
+    assert plan.peak_bytes * 0.95 <= predicted.peak_bytes <= plan.peak_bytes * (1.10 if both else 1.05), counts
+    real_s = step_time(record.forward, record.backward, H200, optimizer_param_bytes=0).total_s
+    assert predicted.device_s == pytest.approx(real_s, rel=0.01), counts

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import re
 
-# The runtime planner's last rung, per layer (flat_planner: "recompute, layer inputs offloaded"):
-# the layer is replayed in the backward from its boundary input, and that input itself is
-# offloaded in the forward and loaded back before the layer's backward, so nothing of the layer
-# stays on the device and the host holds one input a layer (where "offload" holds every value).
-STREAMED = "recompute, layer input offloaded"
+from megacompile.plan.streamed_layers import STREAMED
+
+# ``STREAMED``, the runtime planner's last rung per layer (plan/streamed_layers.py): the layer is
+# replayed in the backward from its boundary input, and that input itself is offloaded in the
+# forward and loaded back before the layer's backward, so nothing of the layer stays on the
+# device and the host holds one input a layer (where "offload" holds every value).
+
 # The per-layer policies a full-depth plan mixes; the first three are uniform plans the
 # planner builds with ``default_policy``, the last one is built from the recompute plan.
 POLICIES = ("keep", "offload", "recompute", STREAMED)

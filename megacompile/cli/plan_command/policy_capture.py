@@ -13,10 +13,10 @@ import torch
 
 from megacompile.cli.plan_command import BASIC_POLICIES, DECODER_LAYER, PAIRS, RESIDENT, STREAMED
 from megacompile.cli.plan_command.meta_model import _meta_placement, build_model, make_step
-from megacompile.cli.plan_command.streamed_layers import layer_inputs, mixed_spec
 from megacompile.core import torch_compat as compat
 from megacompile.passes import facts_after
 from megacompile.plan import flat_planner as planner
+from megacompile.plan.streamed_layers import layer_inputs, mixed_spec, streaming_minimum_spec
 from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 
 
@@ -71,7 +71,7 @@ def _capture_policies(out: dict, extra_plans: dict | None = None, pairs: bool = 
         if recompute is not None and recompute.plan.saved_values:
             # The runtime's last rung exactly as its ladder spells it (all layers), and each
             # layer's share of what it offloads, for the per-layer mixes below.
-            attempts[STREAMED] = build(TrainingPlan(planner.streaming_minimum_spec(recompute)))
+            attempts[STREAMED] = build(TrainingPlan(streaming_minimum_spec(recompute)))
             inputs = layer_inputs(recompute, decoder)
         if pairs and not only_keep and len(decoder) >= 2:
             # The working set of a layer whose predecessor has another policy (its backward
