@@ -18,8 +18,10 @@ from conftest import COMPILED
 from megacompile.cli import commands as cli
 from megacompile.cli import presets
 from megacompile.cli.plan_command import (
+    DECODER_LAYER,
     POLICIES,
     RESIDENT,
+    STREAMED,
     digest,
     full_depth,
     host_memory,
@@ -53,7 +55,9 @@ def traces():
     mixes = {"/".join(m): dict(zip(layers4, m)) for m in (
         ("offload", "offload", "keep", "keep"), ("offload", "keep", "keep", "keep"),
         ("recompute", "recompute", "keep", "keep"), ("recompute", "offload", "keep", "keep"),
-        ("offload", "offload", "recompute", "recompute"))}
+        ("offload", "offload", "recompute", "recompute"),
+        (STREAMED, STREAMED, "keep", "keep"), ("offload", STREAMED, "keep", "keep"),
+        (STREAMED, "recompute", "keep", "keep"))}
     two = traced_layers.trace_model(cfg, H200, batch=1, seq_len=64, k=2)
     raw4 = policy_capture.trace_policies(cfg, num_layers=4, batch=1, seq_len=64, extra_plans=mixes)
     four = digest._digest(raw4, H200, k=4, batch=1, seq_len=64, precision="fp32",
@@ -188,8 +192,8 @@ def test_mixed_plans_extrapolate_to_four(traces):
         attempt = raw4["attempts"][name]
         predicted = full_depth.evaluate(two, counts)
         real_peak = attempt.plan.peak_bytes
-        # Offload and recompute in one plan: both orders are assumed and the larger peak taken.
-        both = counts["offload"] and counts["recompute"]
+        # Two upgraded policies in one plan: every order is assumed and the largest peak taken.
+        both = sum(1 for p in POLICIES[1:] if counts[p]) >= 2
         assert real_peak * 0.95 <= predicted.peak_bytes <= real_peak * (1.10 if both else 1.05), name
         real_s = step_time(attempt.forward, attempt.backward, H200, optimizer_param_bytes=0).total_s
         assert predicted.device_s == pytest.approx(real_s, rel=0.01), name
@@ -226,6 +230,95 @@ def test_peak_grows_by_saved_bytes_per_layer(traces):
     assert keep[1] - keep[0] == keep[2] - keep[1] == s
     off = [full_depth.full_depth_peak(two, {"keep": 0, "offload": n, "recompute": 0})[0] for n in (10, 40)]
     assert off[0] == off[1]  # offloaded layers keep nothing on the device
+
+
+def test_streamed_rung_is_the_runtime_planners(traces):
+    """STREAMED is built as the runtime ladder's last rung spells it: every layer replayed, the
+    recompute plan's saved values offloaded; a streamed layer keeps nothing on the device, puts
+    its inputs (not every saved value, as offload does) on the host, and is replayed once."""
+    raw4 = traces["raw4"]
+    rung = raw4["attempts"][STREAMED].plan
+    assert rung.spec.name == "recompute, layer inputs offloaded (all layers)"
+    assert set(rung.spec.value_policy) == set(raw4["attempts"]["recompute"].plan.saved_values)
+    two = traces["two"]
+    streamed, offload, recompute = (two.policies[p] for p in (STREAMED, "offload", "recompute"))
+    assert streamed.saved_device == 0 and 0 < streamed.saved_host < offload.saved_host
+    assert streamed.saved_host == recompute.saved_device  # what recompute keeps, streamed offloads
+    # Replayed once: the same FLOPs as a recompute layer, at most one forward more than keep's.
+    keep = two.policies["keep"]
+    assert streamed.per_layer["flops"] == recompute.per_layer["flops"] > keep.per_layer["flops"]
+    assert streamed.per_layer["model_flops"] == keep.per_layer["model_flops"]
+    assert streamed.per_layer["d2h_bytes"] - keep.per_layer["d2h_bytes"] == streamed.saved_host
+    for name in (f"{STREAMED}.saved_host_bytes", f"{STREAMED}.backward_h2d_bytes"):
+        assert len(set(two.layer_checks[name])) == 1, name
+    # Deeper, the peak stops growing: no layer's input stays on the device.
+    peaks = [full_depth.full_depth_peak(two, {STREAMED: n})[0] for n in (10, 40)]
+    assert peaks[0] == peaks[1] < full_depth.full_depth_peak(two, {"recompute": 40})[0]
+
+
+def test_host_memory_limit_picks_the_streamed_rung(traces):
+    """A host too small for offloaded layers but large enough for their inputs: the plan streams
+    layers instead, and only as many as the budget needs (the faster policies where they fit)."""
+    two, n = traces["two"], 32
+    counts = lambda **c: {"keep": n - sum(c.values()), **{p: c.get(p, 0) for p in POLICIES[1:]}}  # noqa: E731
+    # A budget that every keep / offload / recompute mix misses without the host, but a
+    # streamed plan meets: recompute-all's peak less a byte.
+    budget = full_depth.evaluate(two, counts(recompute=n)).peak_bytes - 1
+    chosen, _, _ = full_depth.choose_plan(two, n, budget=budget, host_free=None)
+    assert chosen is not None and chosen.counts["offload"] > 0  # with the host free, offload (no replay)
+    host_free = 10 * two.policies[STREAMED].saved_host  # < one offloaded layer's activations
+    assert host_free < two.policies["offload"].saved_host
+    basic = [c for c in full_depth._all_counts(n, two.policies) if not c[STREAMED]]
+    assert all(full_depth.evaluate(two, c).peak_bytes > budget
+               or full_depth.evaluate(two, c).offloaded_activation_bytes > host_free for c in basic)
+    chosen, smallest, _ = full_depth.choose_plan(two, n, budget=budget, host_free=host_free)
+    assert chosen is not None and chosen.peak_bytes <= budget
+    assert 0 < chosen.counts[STREAMED] <= 10 and chosen.counts["offload"] == 0
+    assert chosen.offloaded_activation_bytes <= host_free
+    assert chosen.recomputed_layers == chosen.counts["recompute"] + chosen.counts[STREAMED] <= n
+    # Only where it buys memory: at a budget recompute-all meets, a streamed layer is taken only
+    # where the room it frees lets faster (kept) layers in; where keeping fits, none.
+    for b in (budget + 1, budget * 3 // 2):
+        roomy, _, _ = full_depth.choose_plan(two, n, budget=b, host_free=host_free)
+        fitting_basic = [full_depth.evaluate(two, c) for c in basic]
+        fastest_basic = min(p.step_s for p in fitting_basic if p.peak_bytes <= b
+                            and p.offloaded_activation_bytes <= host_free)
+        assert roomy.step_s <= fastest_basic
+        if roomy.counts[STREAMED]:
+            assert roomy.step_s < fastest_basic / 1.001 and roomy.counts["keep"] > 0
+    keep_peak = full_depth.evaluate(two, counts()).peak_bytes
+    assert full_depth.choose_plan(two, n, budget=keep_peak, host_free=host_free)[0].counts == counts()
+
+
+def test_streamed_rung_in_the_json(capsys, tmp_path):
+    """The command's JSON names the policy, its per-layer host bytes and the pinned total."""
+    cfg = small_config(layers=8)
+    trace = traced_layers.trace_model(cfg, H200, batch=1, seq_len=64)
+    n = presets.count_parameters(cfg)
+    counts = {"keep": 0, "offload": 0, "recompute": 8, STREAMED: 0}
+    budget = full_depth.evaluate(trace, counts).peak_bytes - 1
+    host = host_memory.host_bytes(n, "fp32")["total_bytes"] + 8 * trace.policies[STREAMED].saved_host \
+        + trace.policies[STREAMED].glue_host
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, out, _ = run_cli(capsys, str(path), "--hardware", "h200", "--seq-len", "64", "--batch", "1",
+                           "--budget", str(budget), "--host-memory", str(host), "--json")
+    d = json.loads(out)
+    assert code == 0 and d["fits"], d["problems"]
+    counts = d["device"]["layer_policy_counts"]
+    assert set(counts) == set(POLICIES) and counts[STREAMED] > 0
+    assert d["device"]["recomputed_layers"] == counts["recompute"] + counts[STREAMED]
+    assert STREAMED in d["method"]["policies_built"]
+    ext = d["device"]["extrapolation"]
+    assert ext["saved_device_bytes_per_layer"][STREAMED] == 0
+    per_layer = ext["saved_host_bytes_per_layer"][STREAMED]
+    acts = d["host"]["offloaded_activations"]
+    assert acts["layers"][STREAMED] == counts[STREAMED] and acts["per_layer_bytes"][STREAMED] == per_layer
+    assert d["host"]["parts_bytes"]["offloaded_activations"] == acts["total_bytes"] >= counts[STREAMED] * per_layer
+    assert d["transfers"]["d2h"]["activations"] >= counts[STREAMED] * per_layer
+    code, text, _ = run_cli(capsys, str(path), "--hardware", "h200", "--seq-len", "64", "--batch", "1",
+                            "--budget", str(budget), "--host-memory", str(host))
+    assert code == 0 and STREAMED in text and "each replayed once" in text
 
 
 # --- host bytes ---------------------------------------------------------------------------------
@@ -431,3 +524,37 @@ def test_cached_trace_is_replanned_for_a_smaller_budget():
     assert tight.trace.complete and tight.device["fits"]
     assert tight.device["plan"].startswith("per-layer") or "offload" in tight.device["plan"] \
         or "recompute" in tight.device["plan"]
+
+
+def test_runtime_streamed_mix_agrees_with_the_extrapolation(traces):
+    """Under every 4-layer plan without streamed layers, the runtime planner itself picks a
+    per-layer mix with streamed layers (``flat_planner._streamed_mixes``, the same
+    ``plan/streamed_layers.mixed_spec`` the plan command traces); the 2-layer trace extrapolated
+    to that mix's counts gives its peak (within 5%, or a safe overestimate for two upgraded
+    policies, as for the mixes above) and its device time (1%)."""
+    from megacompile.capture import records
+    from megacompile.plan.cost_model import step_time
+
+    four, two = traces["four"], traces["two"]
+    budget = min(four.policies[p].peak for p in ("keep", "offload", "recompute")) - 1
+    assert four.policies[STREAMED].peak < budget
+    model = meta_model.build_model(traces["config"], 4)
+    compiled = torch.compile(meta_model.make_step(model), backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", "memory_budget": budget,
+                                      "plan_repeats": "flat"})
+    x = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    with records.recording() as built, meta_model._meta_placement():
+        compiled(x, x)
+    (record,) = [r for r in built if r.backward is not None]
+    plan = record.plan
+    per_layer = {layer: row["name"] for layer, row in plan.layer_costs.items()}
+    decoder = {layer: p for layer, p in per_layer.items() if DECODER_LAYER.search(layer)}
+    counts = {p: sum(1 for v in decoder.values() if v == p) for p in POLICIES}
+    assert plan.policy.startswith("per-layer (") and 0 < counts[STREAMED] < 4, (plan.policy, per_layer)
+    assert all(p == "keep" for layer, p in per_layer.items() if layer not in decoder), per_layer  # glue kept
+    assert plan.peak_bytes <= budget
+    predicted = full_depth.evaluate(two, counts)
+    both = sum(1 for p in POLICIES[1:] if counts[p]) >= 2
+    assert plan.peak_bytes * 0.95 <= predicted.peak_bytes <= plan.peak_bytes * (1.10 if both else 1.05), counts
+    real_s = step_time(record.forward, record.backward, H200, optimizer_param_bytes=0).total_s
+    assert predicted.device_s == pytest.approx(real_s, rel=0.01), counts

@@ -18,9 +18,12 @@ estimates the peak), so a chosen plan's predicted peak is the one the runtime wi
    which time falls and recompute never rises as the peak grows keeps the useful ones, and
    the last rung within the budget wins. Rungs within the budget whose loads keep the
    compute lane waiting are also built with those loads prefetched a layer deeper. The
-   candidates do not depend on the budget, so a larger budget only moves up the ladder. If
-   none fits, ``BudgetError`` names the smallest peak any plan reached and the layer that
-   sets it.
+   candidates do not depend on the budget, so a larger budget only moves up the ladder.
+4. Under those: the streaming minimum (every layer replayed from its input, the inputs on
+   the host: ``streamed_layers.streaming_minimum_spec``) and per-layer mixes in which some
+   layers are kept or recomputed and the others streamed (``_streamed_mixes``), drawn into
+   the same ladder. If none fits, ``BudgetError`` names the smallest peak any plan reached
+   and the layer that sets it.
 
 Decisions and their reasons land in ``NodeInfo.decision`` / ``reason`` (shown by inspect);
 the choices are in ``TrainingPlan.layer_policy`` / ``value_policy`` / ``resident`` and their
@@ -44,6 +47,13 @@ from megacompile.passes.stream_parameters import layer_runs
 from megacompile.plan.cost_model import annotate_costs, cost, is_cpu_standin, simulate, step_time
 from megacompile.plan.memory_estimate import storage_root
 from megacompile.plan.solvers import SOLVERS, Option
+from megacompile.plan.streamed_layers import (
+    STREAMED,
+    layer_input_bytes,
+    layer_inputs,
+    mixed_spec,
+    streaming_minimum_spec,
+)
 from megacompile.plan.streaming_floor import StreamingFloor, streaming_floor
 from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 
@@ -461,18 +471,19 @@ def plan_training(
                               value_policy=per_value, value_reason=reasons))
             a.plan.layer_costs = {g.root: dataclasses.asdict(g.options[j]) for g, j in zip(groups, picks)}
             candidates.append(a)
+    # The plans above: what the ladder holds at budgets it met before the streamed rungs.
+    upper = list(candidates)
     # The streaming minimum: every layer replayed from its input, and the inputs themselves
     # on the host (offloaded in the forward, loaded back one layer ahead of its backward),
     # so the backward holds one layer's boundary instead of all of them. Added after the
     # mixes so their spans (keep .. floor) and hence the plans at larger budgets stay as they were.
+    streaming = None
     if recompute_all is not None and recompute_all.plan.saved_values:
-        streaming = make(PlanSpec(
-            name="recompute, layer inputs offloaded (all layers)", default_policy=Policy.RECOMPUTE,
-            value_policy={v: Policy.OFFLOAD for v in recompute_all.plan.saved_values},
-            value_reason={v: "layer input of a replayed layer, kept on the host until its backward"
-                          for v in recompute_all.plan.saved_values}))
+        streaming = make(streaming_minimum_spec(recompute_all))
         if streaming.peak < recompute_all.peak:
             candidates.append(streaming)
+        else:
+            streaming = None
 
     # Keep a ladder along which, as the peak grows, predicted time strictly falls and the
     # recompute count never rises; a budget then takes the last rung that fits. A larger
@@ -491,6 +502,19 @@ def plan_training(
         d.plan.predicted_seconds = predict_seconds(d)
     candidates += deeper
     ladder = _ladder(candidates)
+    # Below the floor: per-layer mixes with some layers streamed, between the streaming
+    # minimum's peak and the smallest plan above (built after the ladder above is drawn, so
+    # its deeper-prefetch variants are the ones it had).
+    if streaming is not None:
+        below = _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes, link, solver)
+        for c in below:
+            c.plan.predicted_seconds = predict_seconds(c)
+        variants = [d for d in map(deeper_prefetch, _rungs_to_prefetch_deeper(_ladder(below), fits)) if d is not None]
+        for d in variants:
+            d.plan.predicted_seconds = predict_seconds(d)
+        below += variants
+        candidates += below
+        ladder = _extend_below(ladder, below, min(c.peak for c in upper))
     fitting = [c for c in ladder if fits(c)]
     if not fitting:
         _raise(candidates, budget, _floor(keep, layers))
@@ -500,7 +524,64 @@ def plan_training(
         f"chose the fastest of {len(candidates)} built plans that fits (predicted "
         f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver for per-layer choices)"
     )
+    streamed = [layer for layer, row in chosen.plan.layer_costs.items() if row.get("name") == STREAMED]
+    if streamed:
+        chosen.plan.reason += (f"; streamed ({STREAMED}: replayed from inputs kept on the host until their "
+                               f"backward): {', '.join(streamed)}")
     return chosen
+
+
+# Targets of the streamed mixes: these fractions of the way from what recompute-all frees to
+# what streaming every layer frees (against keep).
+_STREAMED_TARGETS = (0.25, 0.5, 0.75, 1.0)
+
+
+def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, fwd_seconds: dict,
+                    keep_bytes: dict, boundary_bytes: dict, link: float, solver: Callable) -> list[Attempt]:
+    """Per-layer plans with a third option per layer beside keep and recompute, ``STREAMED``
+    (recompute, layer input offloaded), for memory targets below the floor.
+
+    Under the floor the peak is one layer's replay in the backward plus what every other
+    layer leaves on the device: a kept layer its saved bytes, a recomputed one its boundary,
+    a streamed one nothing. So, against keep, recompute frees the saved bytes less the
+    boundary and streaming frees all of them; recompute costs the layer's forward replayed,
+    streaming that plus its inputs' copies out and back. (Offload is left out: an offloaded
+    layer's values come back a layer ahead of its backward, during the replay of the layer
+    after it, which is where these peaks are.) Targets: from what recompute-all frees toward
+    what streaming every layer frees; only picks with some layer streamed are built."""
+    inputs = layer_inputs(recompute_all, layers)
+    input_bytes = layer_input_bytes(recompute_all, inputs)
+    items = []
+    for layer in layers:
+        k = max(0, keep_bytes.get(layer, 0))
+        fwd = fwd_seconds.get(layer, 0.0)
+        items.append([Option("keep", 0, 0.0), Option("recompute", max(0, k - boundary_bytes.get(layer, 0)), fwd),
+                      Option(STREAMED, k, fwd + input_bytes.get(layer, 0) * link)])
+    at_recompute = sum(opts[1].memory_saved for opts in items)
+    most = sum(opts[2].memory_saved for opts in items)
+    out, seen = [], set()
+    for fraction in _STREAMED_TARGETS:
+        picks = solver(items, min(most, int(at_recompute + fraction * (most - at_recompute)) + 1))
+        if picks is None or not any(items[i][j].name == STREAMED for i, j in enumerate(picks)):
+            continue
+        per_layer = {layer: items[i][j].name for i, (layer, j) in enumerate(zip(layers, picks))}
+        if tuple(sorted(per_layer.items())) in seen:
+            continue
+        seen.add(tuple(sorted(per_layer.items())))
+        counts = {p: sum(1 for v in per_layer.values() if v == p) for p in ("keep", "recompute", STREAMED)}
+        label = ", ".join(f"{'streamed' if p == STREAMED else p} {n}" for p, n in counts.items() if n)
+        a = make(mixed_spec(f"per-layer ({label})", per_layer, inputs))
+        a.plan.layer_costs = {layer: dataclasses.asdict(items[i][j]) for i, (layer, j) in enumerate(zip(layers, picks))}
+        out.append(a)
+    return out
+
+
+def _extend_below(ladder: list[Attempt], below: list[Attempt], upper_floor: int) -> list[Attempt]:
+    """The ladder with the ``below`` candidates that peak under ``upper_floor`` (the smallest
+    peak of the plans without streamed layers) drawn in under it by the ladder's rule. A rung
+    above stays unless one of them beats it on every count: a smaller peak, no more time and
+    no more recomputed ops (then a budget that met the rung gets that plan instead)."""
+    return _ladder(ladder + [c for c in below if c.peak < upper_floor])
 
 
 def solver_mixes(solver: Callable, items: list[list[Option]], span: float) -> list[list[int]]:

@@ -8,7 +8,16 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
-from megacompile.cli.plan_command import DECODER_LAYER, DEVICE_PARAM_BYTES, PAIRS, POLICIES, RESIDENT, PlanError
+from megacompile.cli.plan_command import (
+    BASIC_POLICIES,
+    DECODER_LAYER,
+    DEVICE_PARAM_BYTES,
+    PAIRS,
+    POLICIES,
+    RESIDENT,
+    STREAMED,
+    PlanError,
+)
 from megacompile.core import ops
 from megacompile.core.node_info import has_info, info, layer_of_module_path
 from megacompile.plan import cost_model
@@ -50,6 +59,9 @@ class PolicyNumbers:
     # as gradient accumulation, and its waits), or its copy lane's busy time where that is
     # longer (the link is then the bottleneck).
     per_layer: dict
+    # Activations the glue (embedding, mask, rotary tables, the head's input) offloads beyond
+    # what the keep program sends to the host: a uniform offload or streamed plan's one-off share.
+    glue_host: int = 0
 
 
 @dataclasses.dataclass
@@ -71,8 +83,9 @@ class Trace:
 
     @property
     def complete(self) -> bool:
-        """Whether every policy was built (else only keep: it fits, nothing else is needed)."""
-        return all(p in self.policies for p in POLICIES)
+        """Whether every policy was built (else only keep: it fits, nothing else is needed).
+        ``STREAMED`` is built wherever recompute saves anything, so it is not required here."""
+        return all(p in self.policies for p in BASIC_POLICIES)
 
 
 def _layer_of(node) -> str | None:
@@ -260,8 +273,13 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
 
     checks: dict = {"param_bytes": [param_bytes_by_layer.get(layer, 0) for layer in decoder]}
     policies: dict = {}
-    keep_pred = None
+    keep_pred = keep_by_layer = None
     host_optimizer: dict = {}
+
+    def glue_d2h(by_layer: dict) -> int:
+        """Bytes the forward sends to the host outside the decoder layers (activations, loss)."""
+        return sum(v for key, v in by_layer["saved_host_bytes"].items() if key not in decoder)
+
     for policy in [p for p in (*POLICIES, RESIDENT) if p in attempts]:
         a = attempts[policy]
         pred = cost_model.step_time(a.forward, a.backward, profile, optimizer_param_bytes=opt_bytes,
@@ -354,10 +372,13 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
             policy=policy, peak=a.plan.peak_bytes, early_peak=early, late_peak=late,
             layer_base=layer_base, head_base=head_base, phases=phases,
             where=where,
-            saved_device=saved_dev.get(first, 0), saved_host=one["saved_host_bytes"] if policy == "offload" else 0,
+            saved_device=saved_dev.get(first, 0),
+            saved_host=one["saved_host_bytes"] if policy in ("offload", STREAMED) else 0,
             total=total, per_layer=per_layer,
+            glue_host=max(0, glue_d2h(by_layer) - glue_d2h(keep_by_layer)) if keep_by_layer is not None else 0,
         )
         if policy == "keep":
+            keep_by_layer = by_layer
             keep_pred = pred
             host_optimizer = {"seconds": pred.host_optimizer_s, "bytes": pred.host_optimizer_bytes,
                               "params": pred.optimizer_params,

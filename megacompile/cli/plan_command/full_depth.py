@@ -1,5 +1,6 @@
 """From k traced layers to N: the device peak, time, FLOPs and bytes of any count of keep /
-offload / recompute layers, and the plan megatrain's planner would choose among them.
+offload / recompute / "recompute, layer input offloaded" (``STREAMED``) layers, and the plan
+megatrain's planner would choose among them.
 
 Time, FLOPs and bytes grow linearly with the layers as in the template planner
 (``plan/depth_extrapolation``), but what one more layer adds is measured per policy on one
@@ -11,16 +12,18 @@ the depth and the mix, and there is no full-depth build to check a line against.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
-from megacompile.cli.plan_command import POLICIES, RESIDENT
+from megacompile.cli.plan_command import POLICIES, RESIDENT, STREAMED
 from megacompile.cli.plan_command.digest import Trace
 from megacompile.plan.depth_extrapolation import extend_to_depth
 
 
 @dataclasses.dataclass
 class DepthPlan:
-    """A keep / offload / recompute count over N identical layers, evaluated at full depth."""
+    """A count of layers per policy (keep / offload / recompute / STREAMED) over N identical
+    layers, evaluated at full depth."""
 
     counts: dict
     peak_bytes: int
@@ -49,8 +52,14 @@ class DepthPlan:
         if self.counts.get(RESIDENT):
             return f"keep all {self.counts[RESIDENT]} layers, parameters resident (loaded once per step)"
         if len(used) == 1:
-            return f"{used[0].split()[0]} all {sum(self.counts.values())} layers"
-        return "per-layer (" + ", ".join(used) + ")"
+            return f"{used[0].rsplit(' ', 1)[0]} all {sum(self.counts.values())} layers"
+        # "; " between policies: the streamed policy's own name has a comma.
+        return "per-layer (" + ("; " if any("," in u for u in used) else ", ").join(used) + ")"
+
+    @property
+    def recomputed_layers(self) -> int:
+        """Layers replayed in the backward (once each: from their saved or reloaded input)."""
+        return self.counts.get("recompute", 0) + self.counts.get(STREAMED, 0)
 
 
 def _uniform_peak(numbers, k: int, n: int) -> tuple[float, str]:
@@ -115,15 +124,16 @@ def full_depth_peak(trace: Trace, counts: dict) -> tuple[int, str]:
     planner's solvers upgrade the earliest layers first) and keep layers last; a layer after
     one of another policy has the working set measured on a two-policy "pair" plan (its
     backward prefetches its predecessor's reloads), and both orders of offload and
-    recompute are tried, the larger peak taken. ``test_plan_cmd`` checks k=2 extrapolations
+    recompute (and streamed layers, "recompute, layer input offloaded") are tried, the largest
+    peak taken. ``test_plan_cmd`` checks k=2 extrapolations
     against real k=4 plans, uniform and mixed. A uniform plan is evaluated phase by phase,
     which also covers resident parameters: they are all loaded at the start of the forward
     (every forward point holds N layers' worth) and leave in the backward with their layer.
     Returns (bytes, where: early | layers | head).
     """
-    used = [p for p in ("offload", "recompute") if counts.get(p)]
-    orders = [used, used[::-1]] if len(used) == 2 else [used]
+    used = [p for p in ("offload", "recompute", STREAMED) if counts.get(p)]
     best = None
+    orders = itertools.permutations(used)
     for order in orders:
         runs = [(p, counts[p]) for p in (*order, "keep", RESIDENT) if counts.get(p)]
         found = _ordered_peak(trace, runs)
@@ -160,7 +170,7 @@ def evaluate(trace: Trace, counts: dict) -> DepthPlan:
         counts=dict(counts), peak_bytes=peak, device_s=max(0.0, total("device_s")), lanes_s=lanes,
         flops=int(total("flops")), model_flops=int(total("model_flops")),
         h2d_bytes=int(total("h2d_bytes")), d2h_bytes=int(total("d2h_bytes")),
-        offloaded_activation_bytes=sum(n * pol[p].saved_host for p, n in counts.items() if n),
+        offloaded_activation_bytes=host_activation_bytes(trace, counts),
         peak_region=region,
         bytes_by_direction={key: int(total(key)) for key in ("forward_h2d_bytes", "backward_h2d_bytes",
                                                               "forward_d2h_bytes", "backward_d2h_bytes")},
@@ -184,13 +194,33 @@ def optimizer_exposed_seconds(host_optimizer: dict, backward_s: float) -> float:
     return min(total, max(host_optimizer["tail_seconds"], total - hidden_by))
 
 
+def host_activation_bytes(trace, counts: dict) -> int:
+    """Activations on the host (pinned) for the step: each offloaded or streamed layer's, and
+    the glue's where one uniform policy covers the glue too (mixes keep the glue's)."""
+    pol = trace.policies
+    used = [p for p, n in counts.items() if n]
+    glue = getattr(pol[used[0]], "glue_host", 0) if len(used) == 1 else 0
+    return glue + sum(n * pol[p].saved_host for p, n in counts.items() if n)
+
+
 def _all_counts(num_layers: int, policies=POLICIES):
-    if set(policies) >= set(POLICIES):
-        for off in range(num_layers + 1):
-            for rec in range(num_layers + 1 - off):
-                yield {"keep": num_layers - off - rec, "offload": off, "recompute": rec}
-    else:
-        yield {"keep": num_layers, "offload": 0, "recompute": 0}
+    """Every count of layers per policy (each policy of ``POLICIES`` the trace has; keep only
+    where the others were not built), as {policy: layers} with every policy of POLICIES named."""
+    if not set(policies) >= set(POLICIES[:3]):
+        yield {"keep": num_layers, **{p: 0 for p in POLICIES[1:]}}
+        return
+    others = [p for p in POLICIES[1:] if p in policies]
+
+    def split(left: int, names: list):
+        if not names:
+            yield {}
+            return
+        for n in range(left + 1):
+            for rest in split(left - n, names[1:]):
+                yield {names[0]: n, **rest}
+
+    for mix in split(num_layers, others):
+        yield {"keep": num_layers - sum(mix.values()), **{p: mix.get(p, 0) for p in POLICIES[1:]}}
 
 
 def choose_plan(trace, num_layers: int, *, budget: int, host_free: int | None) -> tuple:
@@ -198,16 +228,20 @@ def choose_plan(trace, num_layers: int, *, budget: int, host_free: int | None) -
 
     The planner's order: keep every activation with the parameters resident, if that fits;
     else keep every activation (parameters streamed); otherwise the fastest (predicted step
-    time) count of keep / offload / recompute layers whose extrapolated peak fits ``budget``
-    and whose offloaded activations fit ``host_free`` host bytes, with the largest peak (the
-    least offload / recompute) among equally fast ones, as the planner's ladder breaks ties.
+    time) count of keep / offload / recompute / streamed ("recompute, layer input offloaded")
+    layers whose extrapolated peak fits ``budget`` and whose offloaded activations fit
+    ``host_free`` host bytes, with the largest peak (the least offload / recompute) among
+    equally fast ones, as the planner's ladder breaks ties. A streamed layer is never faster
+    than a recompute one (the same replay, plus its input's copies), so it is chosen only
+    where the memory it frees (its input on the device, or an offload layer's host bytes) is
+    needed to fit.
     Returns (chosen or None, the plan with the smallest peak among those the host can hold
     or None when not every policy was planned, the keep plan).
     """
     def host_ok(plan: DepthPlan) -> bool:
         return host_free is None or plan.offloaded_activation_bytes <= host_free
 
-    keep = evaluate(trace, {"keep": num_layers, "offload": 0, "recompute": 0})
+    keep = evaluate(trace, {"keep": num_layers, **{p: 0 for p in POLICIES[1:]}})
     smallest = None
     fitting = []
     for counts in _all_counts(num_layers, trace.policies) if trace.complete else ():
@@ -227,20 +261,20 @@ def choose_plan(trace, num_layers: int, *, budget: int, host_free: int | None) -
     if not fitting:
         return None, smallest, keep
     # The fastest; among plans as fast (within 0.1%: keep and offload layers often cost the same
-    # when the link hides the copies), the least aggressive one (largest peak, fewest
-    # recomputed layers), as the planner's ladder breaks ties: no offload that buys nothing.
+    # when the link hides the copies, recompute and streamed layers too), the least aggressive
+    # one (largest peak, fewest recomputed layers, least on the host), as the planner's ladder
+    # breaks ties: no offload or streamed layer that buys nothing.
     fastest = min(p.step_s for p in fitting)
     best = min((p for p in fitting if p.step_s <= fastest * 1.001),
-               key=lambda p: (-p.peak_bytes, p.counts["recompute"], p.step_s))
+               key=lambda p: (-p.peak_bytes, p.recomputed_layers, p.offloaded_activation_bytes, p.step_s))
     return best, smallest, keep
 
 
 def _min_peak(trace, num_layers: int, host_free: int | None) -> int:
-    """The smallest extrapolated peak of any keep / offload / recompute count (memory only)."""
+    """The smallest extrapolated peak of any count of layers per policy (memory only)."""
     best = None
-    pol = trace.policies
     for counts in _all_counts(num_layers, trace.policies):
-        if host_free is not None and sum(n * pol[p].saved_host for p, n in counts.items() if n) > host_free:
+        if host_free is not None and host_activation_bytes(trace, counts) > host_free:
             continue
         peak, _ = full_depth_peak(trace, counts)
         best = peak if best is None else min(best, peak)

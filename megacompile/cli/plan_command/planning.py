@@ -7,7 +7,14 @@ import json
 import math
 import time
 
-from megacompile.cli.plan_command import DEFAULT_TRACED_LAYERS, DEVICE_PARAM_BYTES, PRECISIONS, RESIDENT, PlanError
+from megacompile.cli.plan_command import (
+    DEFAULT_TRACED_LAYERS,
+    DEVICE_PARAM_BYTES,
+    PRECISIONS,
+    RESIDENT,
+    STREAMED,
+    PlanError,
+)
 from megacompile.cli.plan_command.digest import Trace
 from megacompile.cli.plan_command.full_depth import DepthPlan, _min_peak, choose_plan
 from megacompile.cli.plan_command.host_memory import OVERLAPPED_HOST_BYTES_PER_PARAM, host_bytes
@@ -266,11 +273,12 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
     tokens = batch * seq_len
     directions = plan.bytes_by_direction
     activations_in = activations_out = 0
-    if plan.counts.get("offload"):
-        activations_in = plan.counts["offload"] * max(
-            0, pol["offload"].per_layer["backward_h2d_bytes"] - pol["keep"].per_layer["backward_h2d_bytes"])
-        activations_out = plan.counts["offload"] * pol["offload"].per_layer["forward_d2h_bytes"]
-    order = [p for p in ("offload", "recompute", "keep", RESIDENT) if plan.counts.get(p)]
+    for p in ("offload", STREAMED):  # the layers whose activations cross to the host and back
+        if plan.counts.get(p):
+            activations_in += plan.counts[p] * max(
+                0, pol[p].per_layer["backward_h2d_bytes"] - pol["keep"].per_layer["backward_h2d_bytes"])
+            activations_out += plan.counts[p] * pol[p].per_layer["forward_d2h_bytes"]
+    order = [p for p in ("offload", "recompute", STREAMED, "keep", RESIDENT) if plan.counts.get(p)]
     part_policy = {"early": order[0], "head": order[-1],
                    "layers": "keep" if plan.counts.get("keep", 0) > 1 else order[-1]}
     at = pol[part_policy[plan.peak_region]].where[plan.peak_region]
@@ -291,12 +299,14 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
             "plan": plan.summary, "layer_policy_counts": plan.counts,
             "peak_at": {"early": "embedding / first layer: ", "layers": "a decoder layer (the last of its policy): ",
                         "head": "head and loss: "}[plan.peak_region] + _where(at),
+            "recomputed_layers": plan.recomputed_layers,
             "keep_all_peak_bytes": keep.peak_bytes,
             "smallest_peak_bytes": smallest.peak_bytes if smallest is not None and trace.complete else None,
             "extrapolation": {
                 "traced_layers": trace.k, "traced_plan": plan.base_policy,
                 "traced_peak_bytes": base.peak,
                 "saved_device_bytes_per_layer": {p: n.saved_device for p, n in pol.items()},
+                "saved_host_bytes_per_layer": {p: n.saved_host for p, n in pol.items()},
                 "formula": "one policy: peak(N) = max(early_k, late_k + (N - k) * saved_device_per_layer);"
                            " mixed plans (upgraded layers first, kept layers last): the largest of each layer's"
                            " working set plus the saved device bytes of the layers before it, and the head's"
@@ -307,6 +317,13 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
             "fits": host_fits, "capacity_bytes": host_memory, "total_bytes": host["total_bytes"],
             "pinned_bytes": host["pinned_bytes"], "pageable_bytes": host["pageable_bytes"],
             "parts_bytes": host["parts"], "bytes_per_param": host["bytes_per_param"],
+            # Pinned host bytes of the plan's activations, per layer of each policy that offloads.
+            "offloaded_activations": {
+                "total_bytes": plan.offloaded_activation_bytes,
+                "per_layer_bytes": {p: pol[p].saved_host for p in ("offload", STREAMED)
+                                    if plan.counts.get(p)},
+                "layers": {p: plan.counts[p] for p in ("offload", STREAMED) if plan.counts.get(p)},
+            },
             "overlapped_bytes_per_param": host["overlapped_bytes_per_param"],
             "layout": {
                 "fp32": "pinned: fp32 weights (4 B) + fp32 gradients (4 B); pageable: AdamW exp_avg + exp_avg_sq (8 B)",

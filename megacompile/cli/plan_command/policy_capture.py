@@ -1,5 +1,6 @@
 """One compile of the k-layer step with the planner swapped out: the joint graph is built under
-every uniform policy the planner's candidates are made of (and the two-policy "pair" plans),
+every uniform policy the planner's candidates are made of (its last rung, "recompute, layer
+inputs offloaded", included) and the two-policy "pair" plans,
 the attempts are kept, and the compile stops before anything runs."""
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from typing import Callable
 
 import torch
 
-from megacompile.cli.plan_command import DECODER_LAYER, PAIRS, POLICIES, RESIDENT
+from megacompile.cli.plan_command import BASIC_POLICIES, DECODER_LAYER, PAIRS, RESIDENT, STREAMED
 from megacompile.cli.plan_command.meta_model import _meta_placement, build_model, make_step
 from megacompile.core import torch_compat as compat
 from megacompile.passes import facts_after
 from megacompile.plan import flat_planner as planner
+from megacompile.plan.streamed_layers import layer_inputs, mixed_spec, streaming_minimum_spec
 from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 
 
@@ -34,10 +36,11 @@ def _capture_policies(out: dict, extra_plans: dict | None = None, pairs: bool = 
     ``capture.TrainingCompiler.partition`` hands the planner a ``build(plan)`` that runs the
     passes on the joint graph under a plan and estimates the memory of the result. Here it is
     called once per policy the planner's candidates are made of (keep, keep with the
-    parameters resident, offload, recompute) and for the ``PAIRS`` plans; the attempts are
+    parameters resident, offload, recompute, and the ladder's last rung built from the
+    recompute plan: ``STREAMED``) and for the ``PAIRS`` plans; the attempts are
     kept in ``out`` and the compile is stopped (``_Traced``): nothing runs. ``extra_plans``:
-    name -> per-layer policy dict ({"model.layers.0": "offload", ...}), built too (tests of
-    mixed plans).
+    name -> per-layer policy dict ({"model.layers.0": "offload", ...}; ``STREAMED`` too), built
+    too (tests of mixed plans).
     ``keep_suffices(attempts, layers)``: when it says True, only keep (and resident) are built:
     the other policies matter only when keeping every activation does not fit.
     """
@@ -60,18 +63,27 @@ def _capture_policies(out: dict, extra_plans: dict | None = None, pairs: bool = 
             # stay on the device for the step (one load per step instead of two).
             attempts[RESIDENT] = build(TrainingPlan(PlanSpec(name="keep (parameters resident)", resident=resident)))
         only_keep = keep_suffices is not None and keep_suffices(attempts, layers)
-        for policy in POLICIES[1:] if not only_keep else ():
+        for policy in BASIC_POLICIES[1:] if not only_keep else ():
             attempts[policy] = build(TrainingPlan(PlanSpec(name=policy, default_policy=policy)))
         decoder = [layer for layer in layers if DECODER_LAYER.search(layer)]
+        inputs: dict = {}
+        recompute = attempts.get("recompute")
+        if recompute is not None and recompute.plan.saved_values:
+            # The runtime's last rung exactly as its ladder spells it (all layers), and each
+            # layer's share of what it offloads, for the per-layer mixes below.
+            attempts[STREAMED] = build(TrainingPlan(streaming_minimum_spec(recompute)))
+            inputs = layer_inputs(recompute, decoder)
         if pairs and not only_keep and len(decoder) >= 2:
             # The working set of a layer whose predecessor has another policy (its backward
             # prefetches the predecessor's reloads): the first layer under one, the rest under another.
             for prev, cur in PAIRS:
+                if STREAMED in (prev, cur) and STREAMED not in attempts:
+                    continue
                 policy = {decoder[0]: prev, **{layer: cur for layer in decoder[1:]}}
-                attempts[f"pair:{prev}>{cur}"] = build(TrainingPlan(PlanSpec(
-                    name=f"pair {prev}>{cur}", default_policy=cur, layer_policy=policy)))
+                attempts[f"pair:{prev}>{cur}"] = build(TrainingPlan(mixed_spec(
+                    f"pair {prev}>{cur}", policy, inputs, default=cur)))
         for name, layer_policy in (extra_plans or {}).items():
-            attempts[name] = build(TrainingPlan(PlanSpec(name=name, layer_policy=layer_policy)))
+            attempts[name] = build(TrainingPlan(mixed_spec(name, layer_policy, inputs)))
         out.update(attempts=attempts, layers=list(layers), build_s=time.perf_counter() - t0)
         raise _Traced()
 

@@ -31,10 +31,11 @@ def _interpolated(traces: dict, x: float):
 
     any_trace = traces[xs[0]]
     policies = {}
-    for p in POLICIES:
+    for p in [p for p in POLICIES if all(p in traces[xi].policies for xi in xs)]:
         fields = {}
         for name in ("early_peak", "layer_base", "head_base", "saved_device", "saved_host"):
             fields[name] = lagrange([float(getattr(traces[xi].policies[p], name)) for xi in xs])
+        fields["glue_host"] = lagrange([float(getattr(traces[xi].policies[p], "glue_host", 0)) for xi in xs])
         policies[p] = types.SimpleNamespace(**fields)
     pair_base = {pair: lagrange([float(traces[xi].pair_base[pair]) for xi in xs])
                  for pair in any_trace.pair_base if all(pair in traces[xi].pair_base for xi in xs)}

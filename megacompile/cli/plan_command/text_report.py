@@ -11,6 +11,11 @@ def _seconds(s: float | None) -> str:
     return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
 
 
+def _per_policy(values: dict) -> str:
+    # "; " between policies: "recompute, layer input offloaded" has a comma of its own.
+    return "; ".join(f"{p} {format_bytes(n)}" for p, n in values.items())
+
+
 def format_text(r: dict) -> str:
     m, hw, st, dev, host, tr, tm = (r[key] for key in
                                     ("model", "hardware", "step", "device", "host", "transfers", "time"))
@@ -31,12 +36,16 @@ def format_text(r: dict) -> str:
         f"  peak             {gib(dev['peak_bytes'])} of {gib(dev['budget_bytes'])} budget "
         f"({dev['peak_bytes'] / dev['budget_bytes']:.0%})",
         f"  peak at          {dev['peak_at']}",
+        *([f"  recompute        {dev['recomputed_layers']} layer(s), each replayed once in its backward (from its "
+           f"saved or reloaded input)"] if dev.get("recomputed_layers") else []),
         *([f"  token chunks     each layer's per-token runs (norms, projections, MLP) in {st['token_chunks']} "
            f"chunk(s) of {-(-st['tokens'] // st['token_chunks']):,} tokens: no plan fits with the layers whole"]
           if st.get("token_chunks") else []),
         f"  extrapolation    {ext['traced_layers']}-layer {ext['traced_plan']} plan {gib(ext['traced_peak_bytes'])}; "
         f"saved on the device per layer: "
-        + ", ".join(f"{p} {gib(n)}" for p, n in ext["saved_device_bytes_per_layer"].items()),
+        + _per_policy(ext["saved_device_bytes_per_layer"]),
+        *(["                   on the host per layer: " + _per_policy(ext["saved_host_bytes_per_layer"])]
+          if any(ext.get("saved_host_bytes_per_layer", {}).values()) else []),
         f"  keep-all peak    {gib(dev['keep_all_peak_bytes'])}; smallest plan "
         + (gib(dev['smallest_peak_bytes']) if dev['smallest_peak_bytes'] is not None
            else "not planned (keeping everything fits)"),
@@ -49,6 +58,9 @@ def format_text(r: dict) -> str:
         f"  pinned           {gib(host['pinned_bytes'])}",
         f"  pageable         {gib(host['pageable_bytes'])}",
         "  parts            " + ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in host["parts_bytes"].items()),
+        *([f"  activations      {gib(acts['total_bytes'])} pinned: "
+           + "; ".join(f"{n} {p} layer(s) x {gib(acts['per_layer_bytes'][p])}" for p, n in acts["layers"].items())]
+          if (acts := host.get("offloaded_activations")) and acts["total_bytes"] else []),
         f"  layout           {host['layout']}",
         "",
         "transfers per step",
