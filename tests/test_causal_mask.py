@@ -3,12 +3,15 @@
 - Hand-written masks (``ones().tril()``, ``triu(full(-inf), 1)``, arange comparisons,
   ``masked_fill``) are proven causal; sliding windows, offsets, anti-causal masks, masks that
   read a graph input, ``finfo.min`` fills and unequal query / key lengths are kept, with the
-  reason. Either way the compiled function returns what eager does.
+  reason. Either way the compiled function returns what eager does. Over a family of
+  comparisons ``k op q + c`` and their ``&`` / ``|``, a mask is proven causal exactly when its
+  values are ``tril``'s.
 - Hugging Face Llama and Qwen2 (the mask ``sdpa_mask`` builds under Dynamo): the mask is proven
   causal, its construction is gone from the programs, ``NodeInfo.attention_mask`` and the
   printed program say so, and training equals eager in fp32 within 1e-5.
 - Hugging Face Llama given an ``attention_mask`` input: the mask is kept (its values are not
-  known at compile time), and training still equals eager.
+  known at compile time), and training still equals eager; with the pass switched off
+  (``disable_passes``) the mask stays too.
 """
 import pytest
 import torch
@@ -218,3 +221,12 @@ def test_every_small_comparison_is_judged_by_its_values():
     for spec, note in zip(family, notes):
         causal = torch.equal(build(i[:, None], i[None, :], spec), tril)
         assert note.startswith("causal:") == causal, (spec, note)
+
+
+def test_switched_off_the_mask_stays():
+    torch.manual_seed(0)
+    pairs, _ = train_side_by_side(_hf("llama"), _step_of(), _batches(n=1), {"disable_passes": ["elide_causal_mask"]})
+    torch.testing.assert_close(pairs[0][0], pairs[0][1], rtol=1e-5, atol=0)
+    record = next(r for r in COMPILED if r.backward is not None)
+    ops = _attention_ops(record.forward)
+    assert ops and all(info(n).attention_mask is None and n.kwargs.get("attn_mask") is not None for n in ops)
