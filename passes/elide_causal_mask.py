@@ -83,7 +83,7 @@ def _note(node: fx.Node, text: str) -> None:
 def _prove(call: _Call, interpreter: MaskInterpreter) -> str:
     """Why the call's mask is the causal mask (a note), or ``Unknown`` saying why it may not be."""
     mask = call.mask
-    if not isinstance(mask, fx.Node):
+    if not isinstance(mask, fx.Node) or example_tensor(mask) is None:
         raise Unknown("the mask is not a tensor of this graph")
     if call.causal is not False:
         raise Unknown(f"is_causal is {call.causal!r} as well as a mask")

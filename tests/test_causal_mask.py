@@ -230,3 +230,14 @@ def test_switched_off_the_mask_stays():
     record = next(r for r in COMPILED if r.backward is not None)
     ops = _attention_ops(record.forward)
     assert ops and all(info(n).attention_mask is None and n.kwargs.get("attn_mask") is not None for n in ops)
+
+
+def test_arguments_in_an_unexpected_spelling_are_kept():
+    """masked_fill's value as a keyword: not a rule's spelling, so the mask is kept (no crash)."""
+    def fn(q, k, v):
+        tril = torch.ones(S, S, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(S, S).masked_fill(~tril, value=-1e9))
+
+    out, notes, masks = _run_pass_only(fn, *_qkv())
+    assert notes[0].startswith("kept:") and "not understood" in notes[0] and masks[0] is not None, notes
+    torch.testing.assert_close(out, fn(*_qkv()), rtol=1e-6, atol=1e-6)

@@ -176,7 +176,12 @@ class MaskInterpreter:
                 raise Unknown(self.failed[n])
             if n not in self.values:
                 try:
-                    self.values[n] = _rounded(_size_one_at_zero(self._interpret(n), static_shape(n)), n)
+                    try:
+                        self.values[n] = _rounded(_size_one_at_zero(self._interpret(n), static_shape(n)), n)
+                    except (IndexError, KeyError, TypeError, ValueError, ZeroDivisionError) as bad:
+                        # An argument spelled in a way the rules do not expect: not understood.
+                        raise Unknown(f"{n.name} ({n.op} {getattr(n.target, '__name__', n.target)}): arguments "
+                                      f"not understood ({type(bad).__name__}: {bad})") from None
                 except Unknown as why:
                     self.failed[n] = str(why)
                     raise
