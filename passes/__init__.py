@@ -13,6 +13,7 @@ import torch.fx as fx
 from megacompile.passes import (
     annotate,
     chunk_tokens,
+    elide_causal_mask,
     fuse_lm_head,
     host_casts,
     offload_gradients,
@@ -23,8 +24,8 @@ from megacompile.passes import (
 from megacompile.passes.contract import PassContract, PassOrderError, check_order
 from megacompile.passes.manager import GraphSnapshot, PassContext, run_pipeline
 
-PASS_ORDER = (fuse_lm_head, chunk_tokens, annotate, host_casts, resident_parameters, recompute, stream_parameters,
-              offload_gradients)
+PASS_ORDER = (elide_causal_mask, fuse_lm_head, chunk_tokens, annotate, host_casts, resident_parameters, recompute,
+              stream_parameters, offload_gradients)
 check_order([p.CONTRACT for p in PASS_ORDER])
 
 __all__ = [

@@ -27,6 +27,7 @@ from megacompile.core.node_info import (
 )
 from megacompile.core.ops import is_memory_op
 from megacompile.passes.contract import PassContract
+from megacompile.passes.elide_causal_mask import NOTE_KEY as MASK_NOTE
 from megacompile.passes.fuse_lm_head import NOTE_KEY as HEAD_NOTE
 
 CONTRACT = PassContract(
@@ -142,6 +143,9 @@ def run(gm: fx.GraphModule, ctx) -> None:
             if node.target in fused_head.OPS:
                 ni.workspace_bytes = _workspace(node, ctx.options)
             ni.token_chunks = None
+            # Attention ops (forward and backward) say whether their mask was proven causal.
+            ni.attention_mask = (node.meta.get("custom") or {}).get(MASK_NOTE) if "scaled_dot_product" in str(
+                node.target) else None
             if node.target in token_chunks.OPS:
                 ni.workspace_bytes, ni.token_chunks = _chunked(node)
             # Views and tuple-producing ops own no bytes: the base / the getitems do.

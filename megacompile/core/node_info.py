@@ -60,6 +60,8 @@ class NodeInfo:
     workspace_bytes: int = 0
     # A token-chunked run (passes/chunk_tokens.py): what it replaced and into how many chunks.
     token_chunks: str | None = None
+    # On attention ops: whether passes/elide_causal_mask.py proved the mask causal, or why not.
+    attention_mask: str | None = None
 
 
 def info(node: fx.Node) -> NodeInfo:

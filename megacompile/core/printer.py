@@ -73,6 +73,8 @@ def _comment(node: fx.Node) -> str:
             parts.append(f"lm head {ni.head_fusion}")
         if ni.token_chunks:
             parts.append(ni.token_chunks)
+        if ni.attention_mask:
+            parts.append(f"attention mask {ni.attention_mask}")
     return "  # " + " | ".join(parts)
 
 

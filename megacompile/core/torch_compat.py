@@ -216,6 +216,10 @@ HigherOrderOperator = torch._ops.HigherOrderOperator
 # The functional linear as Dynamo records it (``F.linear`` is this builtin).
 NN_LINEAR = torch._C._nn.linear
 
+# The CPU flash attention op (what sdpa becomes on host tensors; ``megacompile plan`` calls it
+# on meta tensors): (query, key, value, dropout_p, is_causal, *, attn_mask, scale).
+CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
 
 def reset_dynamo() -> None:
     """Forget every compiled frame (``torch._dynamo.reset``)."""

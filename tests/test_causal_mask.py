@@ -1,0 +1,243 @@
+"""elide_causal_mask: an attention mask proven causal becomes is_causal=True, and only then.
+
+- Hand-written masks (``ones().tril()``, ``triu(full(-inf), 1)``, arange comparisons,
+  ``masked_fill``) are proven causal; sliding windows, offsets, anti-causal masks, masks that
+  read a graph input, ``finfo.min`` fills and unequal query / key lengths are kept, with the
+  reason. Either way the compiled function returns what eager does. Over a family of
+  comparisons ``k op q + c`` and their ``&`` / ``|``, a mask is proven causal exactly when its
+  values are ``tril``'s.
+- Hugging Face Llama and Qwen2 (the mask ``sdpa_mask`` builds under Dynamo): the mask is proven
+  causal, its construction is gone from the programs, ``NodeInfo.attention_mask`` and the
+  printed program say so, and training equals eager in fp32 within 1e-5.
+- Hugging Face Llama given an ``attention_mask`` input: the mask is kept (its values are not
+  known at compile time), and training still equals eager; with the pass switched off
+  (``disable_passes``) the mask stays too.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import COMPILED
+from reference_models import train_side_by_side
+
+from megacompile.core.node_info import info
+from megacompile.passes import elide_causal_mask
+
+S = 8
+
+
+def _qkv(q_len=S, kv_len=S, batch=2):
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(batch, 2, q_len, 4, generator=gen), torch.randn(batch, 2, kv_len, 4, generator=gen),
+            torch.randn(batch, 2, kv_len, 4, generator=gen))
+
+
+def _run_pass_only(fn, *args):
+    """fn compiled with a backend that runs only this pass on Dynamo's graph: (output, notes, masks left)."""
+    graphs = []
+
+    def backend(gm, _example_inputs):
+        elide_causal_mask.run(gm, None)
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+    notes = [n.meta["custom"][elide_causal_mask.NOTE_KEY] for n in calls]
+    masks = [n.kwargs.get("attn_mask") for n in calls]
+    return out, notes, masks
+
+
+def _idx(n=S):
+    i = torch.arange(n)
+    return i[:, None], i[None, :]  # q (rows), k (columns)
+
+
+CAUSAL = {
+    "ones_tril": lambda: torch.ones(S, S, dtype=torch.bool).tril(),
+    "ones_float_tril_to_bool": lambda: torch.ones(S, S).tril() == 1,
+    "triu_full_inf": lambda: torch.triu(torch.full((S, S), float("-inf")), 1),
+    "arange_le": lambda: (lambda q, k: k <= q)(*_idx()),
+    "arange_lt_plus_one": lambda: (lambda q, k: (k < q + 1)[None, None])(*_idx()),
+    "not_gt": lambda: (lambda q, k: ~(k > q))(*_idx()),
+    "masked_fill": lambda: torch.zeros(S, S).masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf")),
+    "where_and_all_true": lambda: torch.where((lambda q, k: (k <= q) & torch.ones(S, S, dtype=torch.bool))(*_idx()),
+                                              0.0, float("-inf")),
+}
+
+NOT_CAUSAL = {
+    "sliding_window": (lambda: (lambda q, k: (k <= q) & (k > q - 3))(*_idx()), "is False where k - q = -7"),
+    "offset": (lambda: (lambda q, k: k <= q + 1)(*_idx()), "is True where k = q and True where k = q + 1"),
+    "anti_causal": (lambda: (lambda q, k: k >= q)(*_idx()), "is True where k = q and True where k = q + 1"),
+    "depends_on_batch": (lambda: (lambda q, k: (k <= q) & (torch.arange(2)[:, None, None, None] == 0))(*_idx()),
+                         "depends on b <= 0, not only on k - q"),
+    "all_true": (lambda: torch.ones(S, S, dtype=torch.bool), "same everywhere"),
+    "finfo_min": (lambda: torch.triu(torch.full((S, S), torch.finfo(torch.float32).min), 1), "where k = q + 1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL))
+def test_causal_masks_are_proven(name):
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=CAUSAL[name]())
+
+    out, notes, masks = _run_pass_only(fn, *_qkv())
+    assert notes[0].startswith("causal:") and masks == [None], notes
+    torch.testing.assert_close(out, fn(*_qkv()), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_CAUSAL))
+def test_other_masks_are_kept_with_the_reason(name):
+    make, reason = NOT_CAUSAL[name]
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=make())
+
+    out, notes, masks = _run_pass_only(fn, *_qkv())
+    assert notes[0].startswith("kept:") and reason in notes[0] and masks[0] is not None, notes
+    torch.testing.assert_close(out, fn(*_qkv()), rtol=1e-6, atol=1e-6)
+
+
+def test_a_mask_that_reads_an_input_is_kept():
+    def fn(q, k, v, pad):
+        mask = torch.ones(S, S, dtype=torch.bool).tril() & pad[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    pad = torch.ones(2, S, dtype=torch.bool)
+    _, notes, masks = _run_pass_only(fn, *_qkv(), pad)
+    assert "is an input of the graph" in notes[0] and masks[0] is not None, notes
+
+
+def test_unequal_lengths_are_kept():
+    """is_causal aligns its mask to the top left; a (q, kv) tril with more keys is not that."""
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(S, S + 2, dtype=torch.bool).tril())
+
+    out, notes, masks = _run_pass_only(fn, *_qkv(S, S + 2))
+    assert "queries attend to" in notes[0] and masks[0] is not None, notes
+    torch.testing.assert_close(out, fn(*_qkv(S, S + 2)), rtol=1e-6, atol=1e-6)
+
+
+def _hf(name):
+    import transformers as T
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, use_cache=False, max_position_embeddings=64)
+    if name == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**kw))
+    return T.LlamaForCausalLM(T.LlamaConfig(**kw))
+
+
+def _step_of(with_padding_input=False):
+    def step_of(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(x, y, *mask):
+            logits = model(input_ids=x, attention_mask=mask[0] if mask else None).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+    return step_of
+
+
+def _batches(n=2, batch=2, seq=16, padding=False):
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x, y = (torch.randint(0, 64, (batch, seq), generator=gen) for _ in range(2))
+        out.append((x, y, torch.ones(batch, seq, dtype=torch.long)) if padding else (x, y))
+    return out
+
+
+def _attention_ops(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_hf_mask_is_elided_and_training_equals_eager(name):
+    torch.manual_seed(0)
+    model = _hf(name)
+    pairs, reference = train_side_by_side(model, _step_of(), _batches(), {"snapshots": True})
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=lambda m: f"{pname}: {m}")
+    record = next(r for r in COMPILED if r.backward is not None)
+    for gm in (record.forward, record.backward):
+        ops = _attention_ops(gm)
+        assert len(ops) == 2 and all(info(n).attention_mask.startswith("causal:") for n in ops)
+        assert all(n.args[4] is True and n.kwargs.get("attn_mask") is None for n in ops if "backward" not in
+                   str(n.target))
+        # Nothing (tokens x tokens) is built any more: no bool tensor, no compare of indices.
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            assert not (isinstance(val, torch.Tensor) and val.dtype == torch.bool), n.format_node()
+    forward = next(s.text for s in record.snapshots if s.graph == "forward" and s.stage == "annotate")
+    assert "attention mask causal:" in forward
+
+
+def test_hf_padding_input_keeps_the_mask():
+    torch.manual_seed(0)
+    model = _hf("llama")
+    pairs, _ = train_side_by_side(model, _step_of(True), _batches(n=1, padding=True), {})
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    record = next(r for r in COMPILED if r.backward is not None)
+    ops = _attention_ops(record.forward)
+    assert ops and all(info(n).attention_mask.startswith("kept:") and "input of the graph" in info(n).attention_mask
+                       for n in ops), [info(n).attention_mask for n in ops]
+    assert all(n.kwargs.get("attn_mask") is not None for n in ops)
+
+
+def test_every_small_comparison_is_judged_by_its_values():
+    """Soundness over a family of masks: ``k op q + c`` alone and and-ed / or-ed with a second
+    comparison, all in one graph. A mask is proven causal exactly when its values are tril's."""
+    ops = {"le": torch.le, "lt": torch.lt, "ge": torch.ge, "gt": torch.gt}
+    family = [((a, c),) for a in ops for c in (-1, 0, 1)]
+    family += [((a, c), (b, d), join) for a, c, b, d, join in [
+        ("le", 0, "ge", -S, "and"), ("le", 0, "gt", -3, "and"), ("lt", 1, "le", 0, "and"), ("le", 0, "lt", 0, "or"),
+        ("le", -1, "ge", 0, "and"), ("lt", 0, "le", 0, "or"), ("le", 0, "ge", S, "or")]]
+
+    def build(q, k, spec):
+        (a, c), *rest = spec
+        mask = ops[a](k, q + c)
+        if rest:
+            (b, d), join = rest
+            other = ops[b](k, q + d)
+            mask = mask & other if join == "and" else mask | other
+        return mask
+
+    def fn(q, k, v):
+        i = torch.arange(S)
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=build(i[:, None], i[None, :], spec))
+                for spec in family]
+
+    _, notes, _ = _run_pass_only(fn, *_qkv())
+    tril = torch.ones(S, S, dtype=torch.bool).tril()
+    i = torch.arange(S)
+    for spec, note in zip(family, notes):
+        causal = torch.equal(build(i[:, None], i[None, :], spec), tril)
+        assert note.startswith("causal:") == causal, (spec, note)
+
+
+def test_switched_off_the_mask_stays():
+    torch.manual_seed(0)
+    pairs, _ = train_side_by_side(_hf("llama"), _step_of(), _batches(n=1), {"disable_passes": ["elide_causal_mask"]})
+    torch.testing.assert_close(pairs[0][0], pairs[0][1], rtol=1e-5, atol=0)
+    record = next(r for r in COMPILED if r.backward is not None)
+    ops = _attention_ops(record.forward)
+    assert ops and all(info(n).attention_mask is None and n.kwargs.get("attn_mask") is not None for n in ops)
+
+
+def test_arguments_in_an_unexpected_spelling_are_kept():
+    """masked_fill's value as a keyword: not a rule's spelling, so the mask is kept (no crash)."""
+    def fn(q, k, v):
+        tril = torch.ones(S, S, dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(S, S).masked_fill(~tril, value=-1e9))
+
+    out, notes, masks = _run_pass_only(fn, *_qkv())
+    assert notes[0].startswith("kept:") and "not understood" in notes[0] and masks[0] is not None, notes
+    torch.testing.assert_close(out, fn(*_qkv()), rtol=1e-6, atol=1e-6)
