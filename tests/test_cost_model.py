@@ -53,6 +53,33 @@ def test_node_flops_of_matmuls_by_hand():
     assert all(cm.node_flops(n) == 0 for n in gm.graph.nodes)
 
 
+def test_causal_attention_counts_the_scores_a_causal_kernel_computes():
+    """is_causal=True with equal lengths: (S + 1) / 2S of the full count, forward and backward
+    (torch's formula counts the whole score matrix); a mask, or no causality, the full count."""
+    q, k, v = (torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
+    S = 64
+    full = 4 * 2 * 4 * S * S * 16  # QK^T and PV: 2 * 2 * B * H * S * S * D
+
+    def attention(q, k, v, causal, masked=False):
+        mask = torch.ones(S, S, dtype=torch.bool).tril() if masked else None
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return torch.autograd.grad(out.sum(), (q, k, v))
+
+    def flops(gm):
+        counted = {n.target.name(): cm.node_flops(n) for n in gm.graph.nodes
+                   if n.op == "call_function" and "scaled_dot_product" in str(n.target)}
+        assert len(counted) == 2, counted  # the forward and its backward
+        fwd = next(f for name, f in counted.items() if not name.endswith("_backward"))
+        bwd = next(f for name, f in counted.items() if name.endswith("_backward"))
+        return fwd, bwd
+
+    fwd, bwd = flops(make_fx(lambda q, k, v: attention(q, k, v, False), tracing_mode="fake")(q, k, v))
+    assert fwd == full and bwd > fwd
+    causal_fwd, causal_bwd = flops(make_fx(lambda q, k, v: attention(q, k, v, True), tracing_mode="fake")(q, k, v))
+    assert causal_fwd == int(full * (S + 1) / (2 * S)) and causal_bwd == int(bwd * (S + 1) / (2 * S))
+    assert flops(make_fx(lambda q, k, v: attention(q, k, v, False, True), tracing_mode="fake")(q, k, v))[0] == full
+
+
 def test_node_flops_with_symbolic_shapes_use_the_example_sizes():
     a, b = torch.randn(16, 32), torch.randn(32, 8)
     gm = make_fx(lambda a, b: torch.mm(a, b), tracing_mode="symbolic")(a, b)
@@ -460,7 +487,8 @@ def test_cpu_attention_is_counted_as_attention():
 
     gm = make_fx(fwd_bwd, tracing_mode="fake")(q, k, v)
     counted = {str(n.target): cm.node_flops(n) for n in gm.graph.nodes if cm.node_flops(n)}
+    causal = (s + 1) / (2 * s)  # the scores at k <= q only (test below)
     assert counted == {
-        "aten._scaled_dot_product_flash_attention_for_cpu.default": 4 * b * h * s * s * d,  # QK^T and PV
-        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": 10 * b * h * s * s * d,
+        "aten._scaled_dot_product_flash_attention_for_cpu.default": int(4 * b * h * s * s * d * causal),  # QK^T, PV
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": int(10 * b * h * s * s * d * causal),
     }

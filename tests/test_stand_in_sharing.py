@@ -85,8 +85,9 @@ def test_shared_traded_activations_train_like_eager(calls, fraction, trade):
     report = _train_both("gpt", {"device": "cpu", "lowering": "inductor",
                                  "memory_budget": _budget("gpt", fraction)})
     plan = next(r for r in reversed(COMPILED) if r.backward is not None).plan
-    if trade == "recompute":
-        assert plan.policy.startswith("recompute") and report.recomputed_ops, plan.policy
+    if trade == "recompute":  # recompute everywhere, or per layer with some layers streamed
+        recomputes = plan.policy.startswith("recompute") or "recompute" in plan.layer_policy.values()
+        assert recomputes and report.recomputed_ops, plan.policy
     else:
         assert "offload" in plan.value_policy.values(), plan.policy
     assert calls["load"] == 0 and calls["share"] > 0, calls

@@ -226,11 +226,11 @@ def _count_flops(node: fx.Node) -> int:
         try:
             if hasattr(formula, "__wrapped__"):  # shape formula (shape_wrapper): sizes suffice
                 args, kwargs = _vals(node, _hinted)
-                return int(formula(*args, **kwargs, out_val=_hinted(node.meta["val"])))
+                return int(formula(*args, **kwargs, out_val=_hinted(node.meta["val"])) * causal_fraction(node))
             # Raw formulas (flash/efficient attention) read tensor attributes: give them the
             # fake tensors and take the example's value of a symbolic result.
             args, kwargs = _vals(node, lambda v: v)
-            return int_hint(formula(*args, **kwargs, out_val=node.meta["val"]))
+            return int(int_hint(formula(*args, **kwargs, out_val=node.meta["val"])) * causal_fraction(node))
         except Exception as e:  # a cost estimate must not fail a compile
             _warn_once(target, f"megatrain cost model: no FLOP count for {target} ({type(e).__name__}: {e}); using 0")
             return 0
@@ -244,6 +244,26 @@ def _count_flops(node: fx.Node) -> int:
         except Exception:
             return 0
     return 0
+
+
+def causal_fraction(node: fx.Node) -> float:
+    """The share of an attention op's score matrix a causal kernel computes: (S + 1) / 2S for
+    ``is_causal=True`` with equal query and key lengths (flash kernels skip the tiles above the
+    diagonal), 1 otherwise. torch's sdpa FLOP formulas count the whole matrix either way."""
+    target = node.target
+    if not target.name().startswith("aten::_scaled_dot_product"):
+        return 1.0
+    values = {}
+    for i, arg in enumerate(target._schema.arguments):
+        values[arg.name] = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+    if values.get("is_causal") is not True:
+        return 1.0
+    query, key = (values.get(n) for n in ("query", "key"))
+    shapes = [v.meta["val"].shape if isinstance(v, fx.Node) and "val" in v.meta else None for v in (query, key)]
+    if None in shapes or len(shapes[0]) < 2 or len(shapes[1]) < 2:
+        return 1.0
+    s_q, s_k = int_hint(shapes[0][-2]), int_hint(shapes[1][-2])
+    return (s_q + 1) / (2 * s_q) if s_q == s_k and s_q > 0 else 1.0
 
 
 def _tensor_bytes(val: Any) -> int:
