@@ -488,8 +488,6 @@ def plan_training(
     # Keep a ladder along which, as the peak grows, predicted time strictly falls and the
     # recompute count never rises; a budget then takes the last rung that fits. A larger
     # budget can only move up the ladder: step time and recomputed ops never increase.
-    for c in candidates:
-        c.plan.predicted_seconds = predict_seconds(c)
     # Each rung whose loads stall the compute lane also comes with deeper prefetch for those
     # loads (more memory, less waiting), and the ladder is drawn again over all of them.
     # Only rungs get the variant: building one per candidate doubled the planning time. And
@@ -497,22 +495,22 @@ def plan_training(
     # for less, so its peak is at least its rung's; over the budget, it sorts after every
     # plan that fits and cannot change the choice (the plan is the one every variant would
     # give, so the ladder's monotonicity in the budget is kept).
-    deeper = [d for d in map(deeper_prefetch, _rungs_to_prefetch_deeper(_ladder(candidates), fits)) if d is not None]
-    for d in deeper:
-        d.plan.predicted_seconds = predict_seconds(d)
-    candidates += deeper
+    def priced_with_deeper_variants(attempts: list[Attempt]) -> list[Attempt]:
+        for a in attempts:
+            a.plan.predicted_seconds = predict_seconds(a)
+        deeper = [d for d in map(deeper_prefetch, _rungs_to_prefetch_deeper(_ladder(attempts), fits)) if d is not None]
+        for d in deeper:
+            d.plan.predicted_seconds = predict_seconds(d)
+        return attempts + deeper
+
+    candidates = priced_with_deeper_variants(candidates)
     ladder = _ladder(candidates)
     # Below the floor: per-layer mixes with some layers streamed, between the streaming
     # minimum's peak and the smallest plan above (built after the ladder above is drawn, so
     # its deeper-prefetch variants are the ones it had).
     if streaming is not None:
-        below = _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes, link, solver)
-        for c in below:
-            c.plan.predicted_seconds = predict_seconds(c)
-        variants = [d for d in map(deeper_prefetch, _rungs_to_prefetch_deeper(_ladder(below), fits)) if d is not None]
-        for d in variants:
-            d.plan.predicted_seconds = predict_seconds(d)
-        below += variants
+        below = priced_with_deeper_variants(
+            _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes, link, solver))
         candidates += below
         ladder = _extend_below(ladder, below, min(c.peak for c in upper))
     fitting = [c for c in ladder if fits(c)]
