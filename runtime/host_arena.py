@@ -41,6 +41,19 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def _dense_stride(like: torch.Tensor) -> tuple[int, ...]:
+    """``like``'s strides where they cover its storage densely, else contiguous ones (as
+    ``clone()`` lays out an expanded or gapped tensor): a view written by ``copy_`` must not
+    overlap itself."""
+    if storage_span_bytes(like.shape, like.stride(), like.dtype) == like.numel() * like.element_size():
+        return like.stride()
+    stride, step = [], 1
+    for size in reversed(like.shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 def arena_bytes(values: list) -> int:
     """The arena one call needs for values shaped like ``values`` (tensors or fake tensors of
     the traced graph), or 0 where a size is symbolic (dynamic shapes: the first call tells)."""
@@ -48,7 +61,7 @@ def arena_bytes(values: list) -> int:
     for v in values:
         if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in (*v.shape, *v.stride())):
             return 0
-        total += _aligned(storage_span_bytes(v.shape, v.stride(), v.dtype))
+        total += _aligned(storage_span_bytes(v.shape, _dense_stride(v), v.dtype))
     return total
 
 
@@ -91,7 +104,8 @@ class ArenaLease:
         (the caller allocates the value on its own)."""
         if like.device.type == "meta":  # a plan traced without memory: nothing to place
             return None
-        span = storage_span_bytes(like.shape, like.stride(), like.dtype)
+        stride = _dense_stride(like)
+        span = storage_span_bytes(like.shape, stride, like.dtype)
         self.needed += _aligned(span)
         if self.arena is None or span == 0 or self.used + span > self.arena.capacity:
             self.spilled += 1
@@ -99,7 +113,7 @@ class ArenaLease:
         flat = self.arena.buffer[self.used:self.used + span].view(like.dtype)
         self.used += _aligned(span)
         self.placed += 1
-        return flat.as_strided(like.shape, like.stride())
+        return flat.as_strided(like.shape, stride)
 
 
 class ArenaPool:

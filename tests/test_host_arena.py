@@ -48,6 +48,17 @@ def test_views_are_aligned_disjoint_and_shaped_like_the_values():
     assert lease.placed == len(values) and lease.spilled == 0
 
 
+def test_an_expanded_or_gapped_value_gets_dense_strides():
+    expanded = torch.randn(3, 1).expand(3, 4)  # stride 0: copy_ into such a view would overlap
+    gapped = torch.randn(4, 6)[:, ::2]
+    lease = ArenaLease(OffloadArena(arena_bytes([expanded, gapped]), lambda n: torch.empty(n, dtype=torch.uint8)))
+    assert lease.arena.capacity == 2 * ALIGN  # 48 bytes each, dense
+    for v in (expanded, gapped):
+        view = lease.place(v)
+        assert view.is_contiguous() and view.shape == v.shape
+        torch.testing.assert_close(view.copy_(v), v, rtol=0, atol=0)
+
+
 def test_a_value_that_does_not_fit_spills_and_the_next_arena_is_large_enough():
     pool, made = _pool(size=ALIGN)
     lease = pool.lease()
