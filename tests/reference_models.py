@@ -145,11 +145,11 @@ def make_training_step(model: nn.Module, loss_fn, lr: float = 1e-3, weight_decay
     return step, opt
 
 
-def labels_training_step(model: nn.Module, lr: float = 1e-3, wrap_optimizer=None):
+def labels_training_step(model: nn.Module, lr: float = 1e-3, wrap_optimizer=None, eps: float = 1e-8):
     """``step(x)`` for a Hugging Face causal LM trained from ``labels=x`` (its own shifted
     cross entropy: the loss graph users get from ``transformers``), AdamW (passed through
     ``wrap_optimizer`` if given, e.g. to give an eager reference megatrain's arithmetic)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     if wrap_optimizer is not None:
         wrap_optimizer(opt)
 

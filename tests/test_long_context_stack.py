@@ -10,7 +10,7 @@ measured peak is the planned one.
 import pytest
 import torch
 from conftest import COMPILED
-from reference_models import train_side_by_side
+from reference_models import labels_training_step, train_side_by_side
 
 import megacompile
 from megacompile.core import fused_head, token_chunks
@@ -30,15 +30,7 @@ def _llama():
 
 
 def _step_of(model):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)  # eps: see test_fused_head
-
-    def step(x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return step
+    return labels_training_step(model, eps=1e-6)  # eps: see test_fused_head
 
 
 def test_mask_elided_head_fused_layers_chunked_and_streamed_train_like_eager():
