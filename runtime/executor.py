@@ -423,7 +423,7 @@ class StreamingProgram:
         self.num_slots = len(lowering.slots)
         self.free_at_start = _plan_frees(self.instructions, self.input_slots, self.output_template)
         self.arena_pool = None
-        if lowering.to_arena and not self.share_host_memory:
+        if lowering.to_arena:  # empty where the program shares host memory
             traced = [n.args[0].meta.get("val") for n in lowering.to_arena]
             self.arena_pool = ArenaPool(self.device.host_buffer, self.device.before_host_buffer_reuse,
                                         size=arena_bytes(traced))
