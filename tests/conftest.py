@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -6,21 +7,48 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from megacompile.capture.records import recording  # noqa: E402  (after the path entry above)
+from megacompile.capture.records import forget_records, recording  # noqa: E402  (after the path entry above)
 
 # Every graph megatrain compiles during the running test, oldest first (tests read it with
 # ``from conftest import COMPILED``).
 COMPILED: list = []
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Every test compiles from scratch: no Dynamo cache, no graphs from earlier tests."""
+def _forget_compiled_programs() -> None:
+    """Drops what earlier tests compiled. ``torch._dynamo.reset()`` clears Dynamo's caches but
+    each compiled function stays a ``__compiled_fn_*`` global of the module its frame ran in
+    (until its code object dies, which Dynamo's reset does not make happen), and megatrain
+    files records under the test functions' code objects. Both would keep every test's
+    programs alive: the process would grow by each test's graphs, and every later compile's
+    optimizer lookup (a scan of live objects) would take longer. A global is set to None,
+    not deleted: Dynamo deletes it itself when that code object dies."""
     torch._dynamo.reset()
+    forget_records()
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict):
+            for name in [n for n in names if isinstance(n, str) and n.startswith("__compiled_fn_")]:
+                names[name] = None
+
+
+@pytest.fixture(autouse=True, scope="session")
+def imports_frozen():
+    """The objects made by importing torch, transformers and the test modules are moved out
+    of the collector's generations (``gc.freeze``): collections and the optimizer lookup's
+    scan of live objects skip them. No test makes an optimizer at import time."""
+    gc.collect()
+    gc.freeze()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(imports_frozen):
+    """Every test compiles from scratch: no Dynamo cache, no graphs from earlier tests."""
+    _forget_compiled_programs()
     COMPILED.clear()
     with recording(into=COMPILED):
         yield
-    torch._dynamo.reset()
+    _forget_compiled_programs()
     COMPILED.clear()
 
 

@@ -223,7 +223,6 @@ _by_owner: "weakref.WeakKeyDictionary[Any, list[CompiledGraph]]" = weakref.WeakK
 # to. Dynamo runs a compiled frame as a new code object with the same three, so a frame on
 # the stack is recognised by them.
 _roots_by_site: "weakref.WeakValueDictionary[tuple, Any]" = weakref.WeakValueDictionary()
-_outside_dynamo: list[CompiledGraph] = []  # records made with no Dynamo compile running (direct backend calls)
 _open_recordings: list[list[CompiledGraph]] = []
 
 
@@ -246,9 +245,7 @@ def add(record: CompiledGraph) -> None:
     """Files a record under the user function being compiled, and with every open recording."""
     owner = compat.compiling_owner()
     with _lock:
-        if owner is None:
-            _outside_dynamo.append(record)
-        else:
+        if owner is not None:  # a direct backend call (no Dynamo compile running) goes to open recordings only
             root = _outermost_compiled_caller() or owner
             if hasattr(owner, "co_name"):
                 _roots_by_site.setdefault(_site(owner), root)
@@ -267,6 +264,14 @@ def compiled_graphs(fn: Any) -> list[CompiledGraph]:
         raise TypeError(f"compiled_graphs() takes a function or module given to torch.compile, not {type(fn).__name__}")
     with _lock:
         return list(_by_owner.get(owner, ()))
+
+
+def forget_records() -> None:
+    """Drops every function's records, as ``torch._dynamo.reset()`` drops Dynamo's caches (the
+    test suite calls both between tests: records are filed under the functions' code
+    objects, which live as long as the process)."""
+    with _lock:
+        _by_owner.clear()
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ the optimizer, and a user's step may be compiled before or after the optimizer i
 from __future__ import annotations
 
 import gc
+import itertools
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -18,13 +20,21 @@ def optimizer_of(tensors: dict[int, torch.Tensor]) -> torch.optim.Optimizer | No
     ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, which the Hugging Face Trainer
     steps) is not a second optimizer: the wrapped one is the owner."""
     found = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.optim.Optimizer):  # type(): no __class__ properties run
-            params = [p for group in obj.param_groups for p in group["params"]]
-            if params and any(id(p) in tensors for p in params):
-                found[id(obj)] = obj
+    for obj in _live_optimizers():
+        params = [p for group in obj.param_groups for p in group["params"]]
+        if params and any(id(p) in tensors for p in params):
+            found[id(obj)] = obj
     owners = [obj for obj in found.values() if id(vars(obj).get("optimizer")) not in found]
     return owners[0] if len(owners) == 1 else None  # two optimizers share these tensors: do not guess
+
+
+def _live_optimizers() -> Iterator[torch.optim.Optimizer]:
+    """Every live ``Optimizer`` instance, found without a Python loop over every object (a
+    process holds millions): the distinct types first, then the objects of the optimizer
+    types among them. ``type()``: no ``__class__`` property runs."""
+    objects = gc.get_objects()
+    kinds = {t for t in set(map(type, objects)) if issubclass(t, torch.optim.Optimizer)}
+    return itertools.compress(objects, map(kinds.__contains__, map(type, objects)))
 
 
 def fused_kernel_runs(opt: torch.optim.Optimizer, devices: tuple[str, ...] = ("cpu",)) -> bool:
