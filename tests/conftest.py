@@ -31,20 +31,15 @@ def _forget_compiled_programs() -> None:
                 names[name] = None
 
 
-@pytest.fixture(autouse=True, scope="session")
-def imports_frozen():
-    """The objects made by importing torch, transformers and the test modules are moved out
-    of the collector's generations (``gc.freeze``): collections and the optimizer lookup's
-    scan of live objects skip them. No test makes an optimizer at import time."""
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles from scratch: no Dynamo cache, no graphs from earlier tests. What
+    earlier tests and the imports left alive is moved out of the collector's generations
+    (``gc.freeze``), so collections and the optimizer lookup's scan of live objects see
+    this test's objects only, as in a fresh process (no test keeps an optimizer for later)."""
+    _forget_compiled_programs()
     gc.collect()
     gc.freeze()
-    yield
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo(imports_frozen):
-    """Every test compiles from scratch: no Dynamo cache, no graphs from earlier tests."""
-    _forget_compiled_programs()
     COMPILED.clear()
     with recording(into=COMPILED):
         yield
