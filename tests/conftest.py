@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.utils import CleanupManager
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -17,18 +18,24 @@ COMPILED: list = []
 def _forget_compiled_programs() -> None:
     """Drops what earlier tests compiled. ``torch._dynamo.reset()`` clears Dynamo's caches but
     each compiled function stays a ``__compiled_fn_*`` global of the module its frame ran in
-    (until its code object dies, which Dynamo's reset does not make happen), and megatrain
-    files records under the test functions' code objects. Both would keep every test's
-    programs alive: the process would grow by each test's graphs, and every later compile's
-    optimizer lookup (a scan of live objects) would take longer. A global is set to None,
-    not deleted: Dynamo deletes it itself when that code object dies."""
+    (until its code object dies, which the reset does not make happen), and megatrain files
+    records under the test functions' code objects. Both would keep every test's programs
+    alive, and every later compile's optimizer lookup (a scan of live objects) would slow.
+    The globals are found in Dynamo's own list of what it installed (``CleanupManager``,
+    private: nothing public lists them) and set to None, not deleted: Dynamo deletes them
+    itself once that code object dies."""
     torch._dynamo.reset()
     forget_records()
-    for module in list(sys.modules.values()):
-        names = getattr(module, "__dict__", None)
-        if isinstance(names, dict):
-            for name in [n for n in names if isinstance(n, str) and n.startswith("__compiled_fn_")]:
-                names[name] = None
+    for hooks in list(CleanupManager.instance.values.values()):
+        for hook in hooks:
+            if hook.name.startswith("__compiled_fn_") and hook.name in hook.scope:
+                hook.scope[hook.name] = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # What the tests froze goes back to the collector, so the interpreter's exit frees it
+    # (extension modules report objects still alive at exit as leaks).
+    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)

@@ -318,10 +318,15 @@ def _nbytes(val) -> int:
         return int(compat.int_hint(val.numel())) * val.element_size()
     return 0
 
+_PEAK_KEY = "megatrain_slice_peak"
+
 
 def graph_peak(gm: fx.GraphModule) -> int:
     """Most bytes a traced slice holds at once beyond its inputs: each value from its op to
-    the last reader of it or of a view of it (its outputs to the end), as ``_Runner`` frees them."""
+    the last reader of it or of a view of it (its outputs to the end), as ``_Runner`` frees them.
+    Kept on the (cached, never rewritten) slice: the planner asks once per candidate plan."""
+    if _PEAK_KEY in gm.meta:
+        return gm.meta[_PEAK_KEY]
     nodes = list(gm.graph.nodes)
     base: dict[fx.Node, fx.Node | None] = {}
     for node in nodes:
@@ -345,6 +350,7 @@ def graph_peak(gm: fx.GraphModule) -> int:
             peak = max(peak, live)
             frees[last.get(node, i)] = frees.get(last.get(node, i), 0) + size
         live -= frees.pop(i, 0) if node.op != "output" else 0
+    gm.meta[_PEAK_KEY] = peak
     return peak
 
 
