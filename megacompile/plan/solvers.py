@@ -60,30 +60,36 @@ def solve_greedy(items: list[list[Option]], required: int) -> list[int] | None:
 
 def solve_exact(items: list[list[Option]], required: int) -> list[int] | None:
     _check(items)
-    # front: saved (capped at required) -> (time, choices)
-    front: dict[int, tuple[float, tuple[int, ...]]] = {0: (0.0, ())}
+    front: dict[int, float] = {0: 0.0}  # saved (capped at required) -> least time
+    # Per item, how each state was reached: saved -> (saved before it, option). Followed back
+    # from the answer once (carrying every state's picks along cost O(items) per state).
+    reached: list[dict[int, tuple[int, int]]] = []
     for options in items:
-        nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
-        for saved, (time, picks) in front.items():
+        nxt: dict[int, float] = {}
+        how: dict[int, tuple[int, int]] = {}
+        for saved, time in front.items():
             for j, opt in enumerate(options):
                 s = min(required, saved + opt.memory_saved)
                 t = time + opt.time_cost
-                if s not in nxt or t < nxt[s][0]:
-                    nxt[s] = (t, picks + (j,))
+                if s not in nxt or t < nxt[s]:
+                    nxt[s], how[s] = t, (saved, j)
         # Pareto prune: drop states that save less and cost at least as much.
-        pruned: dict[int, tuple[float, tuple[int, ...]]] = {}
+        pruned: dict[int, float] = {}
         best_time = float("inf")
         for s in sorted(nxt, reverse=True):
-            t, picks = nxt[s]
-            if t < best_time:
-                pruned[s] = (t, picks)
-                best_time = t
+            if nxt[s] < best_time:
+                pruned[s] = best_time = nxt[s]
         front = pruned
+        reached.append(how)
     if required <= 0:
         return [0] * len(items)
     if required not in front:
         return None
-    return list(front[required][1])
+    picks, state = [], required
+    for how in reversed(reached):
+        state, j = how[state]
+        picks.append(j)
+    return picks[::-1]
 
 
 SOLVERS = {"greedy": solve_greedy, "exact": solve_exact}
