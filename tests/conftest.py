@@ -8,6 +8,10 @@ from torch._dynamo.utils import CleanupManager
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Session fixtures for every test module: small training steps compiled once, their graphs kept
+# (``captured_graphs.py``).
+from captured_graphs import captured_gpt, captured_llama, captured_mlp, captured_mlp_bf16  # noqa: E402,F401
+
 from megacompile.capture.records import forget_records, recording  # noqa: E402  (after the path entry above)
 
 # Every graph megatrain compiles during the running test, oldest first (tests read it with

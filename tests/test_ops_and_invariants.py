@@ -3,9 +3,9 @@
 - ``torch.ops.megatrain.load/offload/wait/evict``: registered, fake kernels propagate
   shapes and strides, reference kernels run, and dead-code elimination keeps the
   side-effecting ``wait``/``evict`` nodes that nobody reads.
-- The forward and backward graphs of a compiled MLP training step (from
-  ``COMPILED``) keep the invariants ``passes.invariants`` documents,
-  and ``invariants.check`` catches hand-made corruptions of them.
+- The forward and backward graphs of a compiled MLP training step (the session's capture,
+  ``captured_graphs.captured_mlp``, copied per test) keep the invariants ``passes.invariants``
+  documents, and ``invariants.check`` catches hand-made corruptions of them.
 - ``disable_passes=["stream_parameters"]`` still trains correctly on the CPU stand-in.
 """
 from __future__ import annotations
@@ -113,9 +113,10 @@ def _train_record(**options):
 
 
 @pytest.fixture
-def trained():
-    # Streaming invariants: every parameter streams (no resident parameters).
-    return _train_record(disable_passes=["resident_parameters"])
+def trained(captured_mlp):
+    """The 2-layer MLP captured once per session (every parameter streams: no resident
+    parameters), with its own copies of the record's programs, which a test may corrupt."""
+    return captured_mlp.model, captured_mlp.fresh_record()
 
 
 def test_resident_parameters_load_once_and_cross_as_planned():
@@ -336,8 +337,9 @@ def test_disable_stream_parameters_still_trains():
 
 # --- bf16: host casts are explicit host ops, and the invariants cover them ---------------------
 @pytest.fixture
-def trained_bf16():
-    return _train_record(precision="bf16", disable_passes=["resident_parameters"])
+def trained_bf16(captured_mlp_bf16):
+    """The same MLP under precision="bf16", captured once per session; copies as above."""
+    return captured_mlp_bf16.model, captured_mlp_bf16.fresh_record()
 
 
 def _host_casts(gm: fx.GraphModule) -> list[fx.Node]:
