@@ -39,9 +39,10 @@ def _run(name: str, budget: int | None):
     reference = copy.deepcopy(model)
     step, _ = make_training_step(model, loss_fn)
     eager_step, _ = make_training_step(reference, loss_fn)
+    # The printed programs are read for the MLP only (``_check_finer_decisions``).
     step = torch.compile(step, backend="megatrain",
                          options={"device": "cpu", "lowering": "eager", "memory_budget": budget,
-                                  "snapshots": True})
+                                  "snapshots": name == "mlp"})
     x, y = make_batch(torch.Generator().manual_seed(1))
     torch.testing.assert_close(step(x, y), eager_step(x, y), rtol=1e-5, atol=0)
     record = next(r for r in COMPILED if r.backward is not None)
