@@ -189,7 +189,9 @@ def test_elide_causal_mask_makes_llama_attention_causal(captured_llama):
         assert call.meta["custom"][elide_causal_mask.NOTE_KEY].startswith("causal: the bool mask")
     assert _bool_values(gm) == [] and len(gm.graph.nodes) < nodes
     want, got = _run_dynamo_graph(step, step.fresh_dynamo_graph()), _run_dynamo_graph(step, gm)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # The masked and the causal attention run different CPU kernels (their rounding differs
+    # by instruction set): the project's fp32 tolerance.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # --- fuse_lm_head ------------------------------------------------------------------------------
