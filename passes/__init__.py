@@ -16,6 +16,7 @@ from megacompile.passes import (
     elide_causal_mask,
     fuse_lm_head,
     host_casts,
+    merge_compute_runs,
     offload_gradients,
     recompute,
     resident_parameters,
@@ -25,7 +26,7 @@ from megacompile.passes.contract import PassContract, PassOrderError, check_orde
 from megacompile.passes.manager import GraphSnapshot, PassContext, run_pipeline
 
 PASS_ORDER = (elide_causal_mask, fuse_lm_head, chunk_tokens, annotate, host_casts, resident_parameters, recompute,
-              stream_parameters, offload_gradients)
+              stream_parameters, offload_gradients, merge_compute_runs)
 check_order([p.CONTRACT for p in PASS_ORDER])
 
 __all__ = [

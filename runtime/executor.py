@@ -105,7 +105,7 @@ def copying_device_segments(gm: fx.GraphModule) -> list[list[fx.Node]]:
     for node in [*gm.graph.nodes, None]:
         compute = (node is not None and node.op == "call_function" and not ops.is_memory_op(node)
                    and not (has_info(node) and info(node).placement == "host"))
-        if compute and (pending or not _is_trivial(node)):
+        if compute:
             pending.append(node)
         else:
             segments += [piece for compiled, piece in _split_run(pending) if compiled]
@@ -119,14 +119,16 @@ def _split_run(pending: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
     and the ops that run directly. Attention runs directly and splits the run. A getitem
     leading a stretch (a kernel's results taken apart) runs as it is, so a segment starts from
     tensors, not from a kernel's tuple; leading views join it (Inductor takes views of its
-    inputs for free). A stretch of views, tuple access and library calls only has nothing to
-    fuse: its ops run as they are."""
+    inputs for free). A stretch with a single library call (or none) and views around it has
+    nothing to fuse and no launches to save: its ops run as they are. Two library calls are
+    one segment call instead of a dispatch per op (views included)."""
     pieces: list[tuple[bool, list[fx.Node]]] = []
     stretch: list[fx.Node] = []
 
     def close() -> None:
         if stretch:
-            fusable = not all(_is_trivial(n) or n.target in _EXTERN_LIBRARY_KERNELS for n in stretch)
+            kernels = [n for n in stretch if not _is_trivial(n)]
+            fusable = len(kernels) > 1 or any(n.target not in _EXTERN_LIBRARY_KERNELS for n in kernels)
             pieces.append((fusable, list(stretch)))
             stretch.clear()
 
@@ -254,13 +256,13 @@ class _Lowering:
 
     # --- the pending run of compute ---------------------------------------------------------
     def compute(self, node: fx.Node) -> None:
-        # A view or getitem inside a run of compute joins its segment (fewer segment calls, and
-        # Inductor sees e.g. a reduction behind a transpose); on its own it runs as it is.
+        # Views and getitems join the run like any op (fewer segment calls, and Inductor sees
+        # e.g. a reduction behind a transpose); ``_split_run`` runs a stretch of them alone as it is.
         layer = info(node).layer if has_info(node) else None
         changes_layer = layer is not None and self.run_layer not in (None, layer)
         if self.program.share_host_memory and self.pending and changes_layer:
             self.flush()  # one segment per layer (repeated layers reuse its compiled code)
-        if self.program.lowering == "inductor" and (self.pending or not _is_trivial(node)):
+        if self.program.lowering == "inductor":
             self.pending.append(node)
             self.in_run.add(node)
             if layer is not None:

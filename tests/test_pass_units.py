@@ -32,7 +32,9 @@ from megacompile.passes import (
     stream_parameters,
 )
 from megacompile.passes.manager import PassContext, run_pipeline
+from megacompile.plan.memory_estimate import estimate_program_pair
 from megacompile.plan.training_plan import PlanSpec, TrainingPlan
+from megacompile.runtime.executor import copying_device_segments
 
 
 @dataclasses.dataclass
@@ -490,3 +492,43 @@ def test_offload_gradients_return_only_host_values(captured_mlp):
     kept_on_device = _build(step, disable=("offload_gradients",))
     assert not _calls(kept_on_device.backward, ops.offload)
     assert all(info(o).placement == "device" for o in _outputs(kept_on_device.backward) if o is not None)
+
+
+# --- merge_compute_runs ------------------------------------------------------------------------
+def _memory_ops_inside_layer_runs(gm: fx.GraphModule) -> list[str]:
+    """Memory ops that sit between two compute ops of one layer's run."""
+    nodes = list(gm.graph.nodes)
+    compute = [n for n in _compute(gm) if info(n).placement != "host"]
+    starts = [start for _, start in stream_parameters.layer_runs(compute)] or [0]
+    starts[0] = 0
+    inside = []
+    for a, b in zip(starts, [*starts[1:], len(compute)]):
+        first, last = nodes.index(compute[a]), nodes.index(compute[b - 1])
+        inside += [n.name for n in nodes[first:last] if n.op == "call_function" and ops.is_memory_op(n)]
+    return inside
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_merge_compute_runs_gathers_memory_ops_at_layer_run_ends(captured_gpt, depth):
+    """With the plan's ``merged_compute_runs``, no memory op is left inside a layer's run of
+    compute (loads and waits before it, offloads and evicts after it), so the copying
+    program compiles each run whole: fewer segments, and no op left to run alone between a
+    wait and an evict. The compute ops keep their order, the invariants hold, and the peak
+    can only grow (frees come later, nothing is allocated sooner but a load at depth 0)."""
+    step = captured_gpt
+    cut = _build(step, prefetch_depth=depth)
+    merged = _build(step, PlanSpec(merged_compute_runs=True), prefetch_depth=depth)
+    _check_invariants(merged)
+    assert "compute_runs_merged" in merged.forward_ctx.facts and "compute_runs_merged" not in cut.forward_ctx.facts
+    for before, after in ((cut.forward, merged.forward), (cut.backward, merged.backward)):
+        assert _memory_ops_inside_layer_runs(before)  # a weight's wait and evict inside its layer
+        assert _memory_ops_inside_layer_runs(after) == []
+        assert [n.name for n in _compute(after)] == [n.name for n in _compute(before)]
+        assert sorted(n.name for n in after.graph.nodes) == sorted(n.name for n in before.graph.nodes)
+        segments_before, segments_after = copying_device_segments(before), copying_device_segments(after)
+        assert len(segments_after) < len(segments_before)
+        alone = [len(_compute(gm)) - sum(map(len, copying_device_segments(gm))) for gm in (before, after)]
+        assert alone[1] < alone[0], alone
+    peaks = [max(e.peak_bytes for e in estimate_program_pair(b.forward, b.backward, "inductor", 1))
+             for b in (cut, merged)]
+    assert peaks[1] >= peaks[0]

@@ -107,8 +107,9 @@ def test_overlapped_optimizer_keeps_the_copies(calls):
 def test_shared_memory_ops_leave_one_segment_per_layer(calls, monkeypatch):
     """Loads and offloads that move no bytes do not cut a layer's compute into pieces: with
     sharing, each layer's forward and each layer's backward is one segment (loads are issued
-    ahead of it, offloads after it, and waits and evicts are gone); the copying program cuts
-    it at every memory op. Both train equal to eager."""
+    ahead of it, offloads after it, and waits and evicts are gone). A copying program has the
+    same segments once merge_compute_runs gathered each layer's memory ops at its ends, and
+    without that pass it is cut at every memory op. All train equal to eager."""
     programs = record_programs(monkeypatch)
 
     def segment_layers(options: dict) -> dict:
@@ -118,6 +119,9 @@ def test_shared_memory_ops_leave_one_segment_per_layer(calls, monkeypatch):
         return {p.label.split()[-1]: [i.layer for i in p.instructions if i.kind == "segment"]
                 for p in programs if "(no backward)" not in p.label}  # not the loss's detach
 
+    def direct_ops() -> int:
+        return sum(i.kind == "op" for p in programs for i in p.instructions)
+
     shared = segment_layers({"device": "cpu", "lowering": "inductor"})
     assert all(p.share_host_memory for p in programs)
     assert not {i.kind for p in programs for i in p.instructions} & {"wait", "evict"}
@@ -126,7 +130,16 @@ def test_shared_memory_ops_leave_one_segment_per_layer(calls, monkeypatch):
         layers = shared[phase]
         assert len(layers) == len(set(layers)), layers  # one segment per layer
         assert [layer for layer in layers if layer in blocks] == (blocks if phase == "forward" else blocks[::-1])
-    copying = segment_layers({"device": "cpu", "lowering": "inductor", "overlap_optimizer": True})
+    copying = {"device": "cpu", "lowering": "inductor", "overlap_optimizer": True}
+    merged = segment_layers(copying)
     assert not any(p.share_host_memory for p in programs)
+    merged_alone = direct_ops()
     for phase in ("forward", "backward"):
-        assert copying[phase].count("blocks.1") > 1, copying[phase]  # cut at its memory ops
+        # Memory ops gathered at each layer's ends (merge_compute_runs): one segment per layer.
+        assert merged[phase] == shared[phase], (merged[phase], shared[phase])
+    cut = segment_layers({**copying, "disable_passes": ["merge_compute_runs"]})
+    for phase in ("forward", "backward"):
+        assert cut[phase].count("blocks.1") > 1, cut[phase]  # cut at its memory ops
+    # Ops run one by one through dispatch: a layer's views and matmuls between a weight's
+    # wait and its evict, unless its memory ops are gathered at its ends.
+    assert merged_alone < direct_ops() / 4, (merged_alone, direct_ops())

@@ -37,7 +37,7 @@ from megacompile.optimizer.host_step import has_host_step, kernel_available
 from megacompile.optimizer.overlap import ParamInputs
 from megacompile.optimizer.ownership import fused_kernel_runs, optimizer_of
 from megacompile.options import Options
-from megacompile.passes import PassContext, chunk_tokens, run_passes
+from megacompile.passes import PassContext, chunk_tokens, facts_after, run_passes
 from megacompile.passes.recompute import num_forward_outputs
 from megacompile.passes.resident_parameters import used_in_both_phases
 from megacompile.plan import flat_planner, template_planner
@@ -254,6 +254,7 @@ class TrainingCompiler:
         if chosen is None:
             chosen = flat_planner.plan_training(build, layers, self.options, profile, predict_seconds, both_phases,
                                                 joint=joint)
+        chosen = self._with_merged_compute_runs(make_maker(build), chosen)
         if self.options.keeps_snapshots and not chosen.snapshots:  # built as a candidate: again, with them
             priced = chosen.peak
             chosen = build(chosen.plan, snapshots=True)
@@ -266,6 +267,27 @@ class TrainingCompiler:
         records.add(self.record)
         _log_plan(self.record, self.options, time.perf_counter() - started)
         return chosen.forward, chosen.backward
+
+    def _with_merged_compute_runs(self, maker: PlanMaker, chosen: Attempt) -> Attempt:
+        """The chosen plan with each layer's memory ops gathered at the ends of its compute
+        (passes/merge_compute_runs.py), where that fits the budget and the programs copy: one
+        compiled segment per run instead of the ops between a weight's wait and its evict
+        running one by one. Waits move earlier and frees later, so the peak can only grow;
+        the host thread, which this relieves, is not in the cost model's time."""
+        if not (self.options.lowering == "inductor" and programs_copy(self.options, self.record, self.device)
+                and "compute_runs_merged" in facts_after("backward", self.options.disable_passes)):
+            return chosen
+        merged = maker.make(chosen.plan.spec.replace(merged_compute_runs=True))
+        if not maker.fits(merged):
+            chosen.plan.reason += (f"; memory ops left between the compute ops: gathered at each layer's run "
+                                   f"ends the plan peaks at {format_bytes(merged.peak)}, over the budget")
+            return chosen
+        merged.plan.predicted_seconds = maker.predict_seconds(merged)
+        merged.plan.reason = (chosen.plan.reason + "; each layer's loads and waits before its compute, its "
+                              "offloads and evicts after it (one compiled run; peak "
+                              f"{format_bytes(chosen.peak)} -> {format_bytes(merged.peak)})")
+        merged.plan.layer_costs, merged.plan.template = chosen.plan.layer_costs, chosen.plan.template
+        return merged
 
     @staticmethod
     def _plan_chunk_count(chunked: list[fx.Node], plan):
@@ -484,6 +506,16 @@ def size_check(record: CompiledGraph, budget: int | None):
     return check
 
 
+def programs_copy(options: Options, record: CompiledGraph, device) -> bool:
+    """Whether the graph's programs copy between host and device: always on CUDA; on the CPU
+    stand-in only where a copy is measured (the eager lowering) or a parameter may be updated
+    while a program still reads it (the overlapped optimizer updates a layer mid-backward, and
+    only a separate copy keeps the backward's reads from seeing it). Elsewhere the stand-in's
+    loads share host memory and move nothing."""
+    return not (device.shares_host_memory and not record.measures_peak
+                and not options.overlaps_optimizer)
+
+
 def lower_with(options: Options, device):
     """A lowering function bound to the options: graph -> StreamingProgram."""
     # One cache for the forward and the backward of this graph: a repeated layer's segments
@@ -504,11 +536,7 @@ def lower_with(options: Options, device):
         on_finish = ((lambda failed: RECORDER.graph_finished(record, backward=part == "backward", failed=failed))
                      if ends_step_part else None)
         check = size_check(record, options.memory_budget) if part == "forward" else None
-        # The stand-in's copies exist to be measured: where nothing is measured (the Inductor
-        # lowering) they would only cost time, as long as no parameter is updated while a
-        # program that shares it may still read it (the overlapped optimizer updates a layer
-        # mid-backward, and only a separate copy keeps the backward's reads from seeing it).
-        share = device.shares_host_memory and not record.measures_peak and not options.overlaps_optimizer
+        share = not programs_copy(options, record, device)
         program = StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
                                    label=f"{record.label} {part}", check_inputs=check, share_host_memory=share,
                                    saved_from=saved_from)

@@ -49,6 +49,9 @@ class PlanSpec:
     # Layers ahead each streamed parameter is loaded (others: options.prefetch_depth), and why.
     prefetch: Mapping[str, int] = dataclasses.field(default_factory=FrozenMap)
     prefetch_reason: Mapping[str, str] = dataclasses.field(default_factory=FrozenMap)
+    # The memory ops inside each layer's run of compute gathered at its ends, so the run is
+    # one compiled segment where the program copies (passes/merge_compute_runs.py), and why.
+    merged_compute_runs: bool = False
     budget: int | None = None
 
     def __post_init__(self) -> None:
@@ -96,6 +99,7 @@ class TrainingPlan:
     resident_reason = property(lambda self: self.spec.resident_reason)
     prefetch = property(lambda self: self.spec.prefetch)
     prefetch_reason = property(lambda self: self.spec.prefetch_reason)
+    merged_compute_runs = property(lambda self: self.spec.merged_compute_runs)
     budget = property(lambda self: self.spec.budget)
 
     @property
