@@ -128,6 +128,9 @@ class StreamingDevice:
     def synchronize(self) -> None:
         pass
 
+    def after_failure(self) -> None:
+        """Called while a failed program's values are still referenced, before they are freed."""
+
     def loads_done(self) -> None:
         """Returns once every load issued so far has read its host memory: the host
         optimizer calls it before it rewrites weights (or their copies) in place."""
@@ -229,8 +232,16 @@ class CudaDevice(StreamingDevice):
     def load(self, host, name, layer, track=True):
         src = self._pinned_source(host)
         recorder = trace.active()
+        compute = torch.cuda.current_stream(self.torch_device)
+        # Allocated on the compute stream, like everything else the step allocates: the caching
+        # allocator keeps one pool per stream, and a second pool for loads would reserve its own
+        # peak beside the compute pool's (reserved 1.28x the budget on the H100, 2026-11-24).
+        dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.torch_device)
+        # The block may come from a tensor that compute work still queued reads: the copy
+        # starts after that work. Loads are issued at most prefetch_depth layers ahead of
+        # their use, so this is the overlap the plan counts on.
+        self.h2d_stream.wait_stream(compute)
         with torch.cuda.stream(self.h2d_stream):
-            dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.torch_device)
             copy_start = _timing_event(self.h2d_stream) if recorder is not None else None
             dev.copy_(src, non_blocking=True)
             event = torch.cuda.Event(enable_timing=recorder is not None)
@@ -289,15 +300,22 @@ class CudaDevice(StreamingDevice):
         if event is None:
             return
         if t.is_cuda:
-            compute = torch.cuda.current_stream(self.torch_device)
-            compute.wait_event(event)
-            # Allocated on the copy stream, read on the compute stream.
-            t.record_stream(compute)
+            # Allocated on the compute stream (``load``): once compute waits for the copy, every
+            # later use and the free are ordered after it.
+            torch.cuda.current_stream(self.torch_device).wait_event(event)
         else:
             event.synchronize()  # a host tensor: the CPU is about to read it
 
     def evict(self, t):
-        return None  # the allocator returns the slot once record_stream's streams are done
+        # A load never waited for (no graph does that; a guard): its block goes back to the
+        # compute stream's pool, so compute must not reuse it before the copy has landed.
+        if isinstance(t, torch.Tensor) and t.is_cuda and t in self._events:
+            self.wait(t)
+        return None  # the allocator returns the slot once the last reference is dropped
+
+    def after_failure(self):
+        # A failed program drops loads it never waited for: their copies finish first.
+        self.h2d_stream.synchronize()
 
     def completion(self, host):
         event = self._events.pop(host, None)  # popped here, on the thread that recorded it

@@ -499,6 +499,7 @@ class StreamingProgram:
             return outputs
         except BaseException as error:
             failed = True
+            self.device.after_failure()  # the failed run's values are still referenced here
             # Updates already submitted finish before anyone can look at the parameters.
             sink.finish(failed=True)
             updated = sink.updated_before_failure()
