@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU checks the open issues wait for, as one prepared run (a lent GPU has 15 device-minutes
+# a session, and a command at most 10 minutes). Run from the repository root on the GPU machine:
+#
+#   bash benchmarks/gpu_session.sh [first|second]
+#
+# "first" (default, about 8 minutes on an H100):
+#   1. tests/test_cuda.py: the CUDA path after the changes made without a GPU (loads allocated on
+#      the compute stream, merge_compute_runs, offload arenas, weight copies);
+#   2. benchmarks/host_thread_ops.py on CUDA: ops run one by one and the host thread's busy share,
+#      merge_compute_runs on and off;
+#   3. benchmarks/peers.py, megatrain alone, 8 of 32 Llama-2-7B layers, 8 x 4096 tokens, 60 GiB:
+#      step time, TFLOPS, reserved / budget (target <= 1.05), host thread busy, RSS.
+# "second" (about 9 minutes): the 32-layer Llama-2-7B step with megatrain alone (issue 17's
+#   target shape) and the long-context run at 131,072 tokens (issue 19).
+# Outputs go to $OUT (the device tool brings them back), else to benchmarks/results/gpu-session.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results/gpu-session}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+part="${1:-first}"
+step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, never stops the rest
+    local name="$1" seconds="$2"
+    shift 2
+    echo "== $name ($(date -u +%H:%M:%S), limit ${seconds}s): $*"
+    timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: exit $? at $(date -u +%H:%M:%S)"
+    tail -n 25 "$OUT/$name.log"
+}
+nvidia-smi -L
+if [ "$part" = first ]; then
+    step test_cuda 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -x
+    step host_thread_ops 90 "$PY" benchmarks/host_thread_ops.py --device cuda --layers 4 --hidden 1024 \
+        --seq 1024 --batch 4 --budget-fractions 1.0 0.45 --out "$OUT/host_thread_ops.txt"
+    step peers_8_layers 170 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
+        --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
+        --timeout 160 --out-dir "$OUT" --tag megatrain-8layers
+else
+    step peers_32_layers 330 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 --batch 8 \
+        --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
+        --timeout 320 --out-dir "$OUT" --tag megatrain-32layers
+    step long_context 200 "$PY" benchmarks/long_context.py --device cuda --seq 131072 --budget 60GiB --steps 2 \
+        --out "$OUT/long_context.txt"
+fi
