@@ -1,6 +1,6 @@
 """The property test of tests/test_fuzz.py, run for many random examples.
 
-Usage:  python benchmarks/fuzz.py [--examples 100] [--seed N] [--out FILE]
+Usage:  python benchmarks/fuzz.py [--examples 100] [--seed N] [--merged] [--out FILE]
 
 Each example draws a model and a budget (tests/fuzz_models.py) and checks that megatrain
 trains it like eager PyTorch with the measured peak within the budget and the planned peak
@@ -35,18 +35,21 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--examples", type=int, default=100)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--merged", action="store_true",
+                   help="also build each plan's merge_compute_runs variant, measured by the eager lowering")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     rng = random.Random(seed)
     lines = [f"megatrain fuzz  {datetime.datetime.now():%Y-%m-%d %H:%M}  python {platform.python_version()}",
-             f"command: python benchmarks/fuzz.py --examples {args.examples} --seed {seed}"]
+             f"command: python benchmarks/fuzz.py --examples {args.examples} --seed {seed}"
+             + (" --merged" if args.merged else "")]
     failures = 0
     start = time.perf_counter()
     for i in range(args.examples):
         spec = draw(rng)
         try:
-            result = "ok: " + check_spec(spec)
+            result = "ok: " + check_spec(spec, merged=args.merged)
         except Exception as e:  # noqa: BLE001  (a failure is a finding, listed with its spec)
             failures += 1
             result = f"FAIL: {type(e).__name__}: {str(e).splitlines()[0][:300]}"

@@ -11,6 +11,7 @@ budget anywhere from far below the smallest plan to more than everything needs.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from reference_models import training_state_bytes
 
 import megacompile
+from megacompile.capture import training_compiler
 
 VOCAB = 48
 NORMS = ("none", "layer", "rms", "batch")
@@ -123,11 +125,18 @@ def _training_step(model: nn.Module, megatrain_arithmetic: bool):
     return step
 
 
-def check_spec(spec: FuzzSpec, steps: int = 2) -> str:
+def check_spec(spec: FuzzSpec, steps: int = 2, merged: bool = False) -> str:
     """Trains ``spec``'s model under megatrain and in eager PyTorch from the same weights on the
     same batches, and asserts: losses, parameters and buffers equal to fp32 tolerance; the
     measured device peak within the budget; the planned peak within 5% of the measured. A
-    budget no plan meets must raise ``BudgetError`` whose minimum then works. Returns the plan."""
+    budget no plan meets must raise ``BudgetError`` whose minimum then works. Returns the plan.
+
+    ``merged``: the planner also builds its plan's merge_compute_runs variant (taken where it
+    fits), which it otherwise builds only for the Inductor lowering, whose peak the stand-in
+    does not measure: here the eager lowering measures the merged programs."""
+    if merged:
+        with _merged_variants_under_eager():
+            return check_spec(spec, steps)
     torch.manual_seed(0)
     model = FuzzNet(spec)
     reference = copy.deepcopy(model)
@@ -146,6 +155,16 @@ def check_spec(spec: FuzzSpec, steps: int = 2) -> str:
         budget = e.minimum_budget
         report = _run(model, reference, budget, batches)
     return f"{report.policy} at {budget} B"
+
+
+@contextlib.contextmanager
+def _merged_variants_under_eager():
+    original = training_compiler.merged_runs_pay_off
+    training_compiler.merged_runs_pay_off = training_compiler.programs_copy
+    try:
+        yield
+    finally:
+        training_compiler.merged_runs_pay_off = original
 
 
 def _run(model, reference, budget, batches):

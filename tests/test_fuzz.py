@@ -30,3 +30,25 @@ SPECS = st.builds(
 @hypothesis.given(SPECS)
 def test_random_training_steps_match_eager_within_budget(spec):
     check_spec(spec)
+
+
+
+# Examples the fuzzer drew (benchmarks/fuzz.py --seed 0) whose plans take the merged variant:
+# offloaded layers with a reused layer and tied weights, a per-activation mix, streamed layers
+# with BatchNorm.
+MERGED_EXAMPLES = [
+    FuzzSpec(depth=4, width=32, norm="rms", residual=False, reuse_layer=True, tied=True, buffer=False, frozen=False,
+             aux_output=True, dropout=True, budget_fraction=0.749, batch=3, seq=16),
+    FuzzSpec(depth=1, width=32, norm="none", residual=False, reuse_layer=False, tied=False, buffer=True, frozen=True,
+             aux_output=True, dropout=True, budget_fraction=0.110, batch=2, seq=4),
+    FuzzSpec(depth=3, width=16, norm="batch", residual=False, reuse_layer=False, tied=False, buffer=False,
+             frozen=False, aux_output=False, dropout=False, budget_fraction=0.300, batch=2, seq=8),
+]
+
+
+@pytest.mark.parametrize("spec", MERGED_EXAMPLES, ids=["offload-tied", "per-activation", "streamed-batchnorm"])
+def test_merged_compute_runs_train_like_eager_within_budget(spec):
+    """The same property for programs whose memory ops merge_compute_runs gathered at each
+    layer's run ends (the planner's variant of its plan, measured here by the eager lowering)."""
+    plan = check_spec(spec, merged=True)
+    assert "merged runs" in plan, plan

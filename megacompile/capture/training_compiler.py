@@ -274,10 +274,11 @@ class TrainingCompiler:
         compiled segment per run instead of the ops between a weight's wait and its evict
         running one by one. Waits move earlier and frees later, so the peak can only grow;
         the host thread, which this relieves, is not in the cost model's time."""
-        if not (self.options.lowering == "inductor" and programs_copy(self.options, self.record, self.device)
+        if not (merged_runs_pay_off(self.options, self.record, self.device)
                 and "compute_runs_merged" in facts_after("backward", self.options.disable_passes)):
             return chosen
-        merged = maker.make(chosen.plan.spec.replace(merged_compute_runs=True))
+        spec = chosen.plan.spec
+        merged = maker.make(spec.replace(name=f"{spec.name}, merged runs", merged_compute_runs=True))
         if not maker.fits(merged):
             chosen.plan.reason += (f"; memory ops left between the compute ops: gathered at each layer's run "
                                    f"ends the plan peaks at {format_bytes(merged.peak)}, over the budget")
@@ -514,6 +515,13 @@ def programs_copy(options: Options, record: CompiledGraph, device) -> bool:
     loads share host memory and move nothing."""
     return not (device.shares_host_memory and not record.measures_peak
                 and not options.overlaps_optimizer)
+
+
+def merged_runs_pay_off(options: Options, record: CompiledGraph, device) -> bool:
+    """Whether a plan's merge_compute_runs variant is worth building: its programs copy, so
+    memory ops cut their runs, and runs compile (the Inductor lowering), so a merged run is
+    one call. (The fuzzer also builds it under the eager lowering, which measures the peak.)"""
+    return options.lowering == "inductor" and programs_copy(options, record, device)
 
 
 def lower_with(options: Options, device):
