@@ -58,6 +58,8 @@ def _run(model, args, merged: bool, batches, budget_fraction: float):
     options = {"device": args.device, "lowering": "inductor", "overlap_optimizer": True,
                "memory_budget": int(4 * param_bytes * budget_fraction),
                "disable_passes": [] if merged else ["merge_compute_runs"]}
+    if args.hardware:
+        options["hardware"] = args.hardware
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="megatrain", options=options)
     losses = [compiled(batches[0]).item()]
@@ -79,6 +81,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="traced steps after the first")
     p.add_argument("--budget-fractions", type=float, nargs="+", default=[1.0, 0.45],
                    help="memory_budget as these fractions of parameters + gradients + AdamW states, one run each")
+    p.add_argument("--hardware", default=None, help="the cost model's profile (a built-in name or calibrate JSON)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
