@@ -13,22 +13,17 @@ runtime's device. Host-placed ops (host casts) keep the host.
 The host trace also picks host kernels where PyTorch chooses a kernel by device: attention
 is traced as ``_scaled_dot_product_flash_attention_for_cpu`` (and its backward), which has
 no CUDA kernel. On another device those two ops become ``device_attention_forward`` /
-``device_attention_backward`` below: the forward is ``F.scaled_dot_product_attention`` on
-the device (PyTorch picks flash / memory-efficient / math there, with its own mask and
-GQA handling); the backward runs that forward again under autograd and differentiates it,
-because the host kernel's log-sum-exp (what the graph saved) is not what the CUDA kernels
-save. That costs one attention forward more per layer in the backward (a few percent of a
-step at sequence 1k) and a transient output-sized buffer the plan does not count.
+``device_attention_backward`` (``runtime/device_attention.py``).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from megacompile.core import ops
 from megacompile.core.errors import MegacompileError
 from megacompile.core.node_info import has_info, info
+from megacompile.runtime.device_attention import device_attention_backward, device_attention_forward
 
 
 def _is_host_device(value, host: torch.device) -> bool:
@@ -55,31 +50,6 @@ def _with_dropout_zero(node: fx.Node, index: int) -> None:
             f"megatrain: attention with dropout_p={dropout} ({node.name}) cannot run on the device yet: "
             "the step was traced on the host and its attention dropout mask cannot be replayed there. "
             "Set the model's attention dropout to 0 (e.g. config.attention_dropout = 0.0).")
-
-
-def device_attention_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    """The host attention op's contract, ``(output, logsumexp)``, on any device.
-
-    Only the backward below reads the second result, and it does not use its values: it is
-    an uninitialised buffer with the host kernel's shape, so the plan's bytes still hold.
-    """
-    gqa = key.size(-3) != query.size(-3)
-    with torch.no_grad():
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
-                                             is_causal=is_causal, scale=scale, enable_gqa=gqa)
-    logsumexp = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
-    return out, logsumexp
-
-
-def device_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
-                              attn_mask=None, scale=None):
-    """Gradients of ``device_attention_forward`` for q, k, v: its forward again, differentiated."""
-    gqa = key.size(-3) != query.size(-3)
-    with torch.enable_grad():
-        q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
-        again = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0,
-                                               is_causal=is_causal, scale=scale, enable_gqa=gqa)
-        return torch.autograd.grad(again, (q, k, v), grad_out)
 
 
 _aten = torch.ops.aten
