@@ -290,3 +290,31 @@ def test_cuda_loads_allocate_in_the_compute_streams_pool():
     copy_streams = {device.h2d_stream.cuda_stream, device.d2h_stream.cuda_stream}
     segments = torch.cuda.memory_snapshot()
     assert segments and not [s for s in segments if s["stream"] in copy_streams], segments
+
+
+def test_cuda_bf16_llama_attention_runs_the_flash_pair_without_a_second_forward():
+    """bf16 HF Llama with sdpa attention and its causal mask elided: the device's flash kernel
+    runs forward and backward on its own log-sum-exp (runtime/device_attention.py), its one
+    check against the replay passes, and the losses follow eager CPU autocast's."""
+    from reference_models import labels_training_step
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megacompile.runtime import device_attention
+
+    config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         use_cache=False, attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    step = torch.compile(labels_training_step(model), backend="megatrain",
+                         options={"device": "cuda", "precision": "bf16"})
+    eager_step = labels_training_step(reference)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 96, (2, 32), generator=gen)
+        got = step(x).item()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = eager_step(x).item()
+        assert abs(got - want) <= 2e-3 * abs(want), (got, want)
+    assert device_attention._VERDICTS.get(("cuda", torch.bfloat16, 32, True)) is True, device_attention._VERDICTS
