@@ -131,9 +131,10 @@ class StreamingDevice:
     def after_failure(self) -> None:
         """Called while a failed program's values are still referenced, before they are freed."""
 
-    def loads_done(self) -> None:
-        """Returns once every load issued so far has read its host memory: the host
-        optimizer calls it before it rewrites weights (or their copies) in place."""
+    def loads_done(self, tensors=None) -> None:
+        """Returns once every load issued so far that read the host memory of ``tensors``
+        (None: every load) has read it: the host optimizer calls it before it rewrites
+        weights (or their copies) in place."""
 
 
 class CpuStandInDevice(StreamingDevice):
@@ -200,6 +201,8 @@ class CudaDevice(StreamingDevice):
         self._events = WeakIdKeyDictionary()
         # Shared-memory buffers page-locked in place (by address; they live as long as the job).
         self._registered_shared: set[int] = set()
+        # Host storage address -> the event of the last load that read it (loads_done).
+        self._last_read: dict[int, torch.cuda.Event] = {}
 
     def _pinned_source(self, host: torch.Tensor) -> torch.Tensor:
         if host.is_pinned() or host.device.type != "cpu":
@@ -247,6 +250,8 @@ class CudaDevice(StreamingDevice):
             event = torch.cuda.Event(enable_timing=recorder is not None)
             event.record(self.h2d_stream)
         self._events[dev] = event
+        if src is host:  # the copy reads the host tensor's own memory (not a staged copy of it)
+            self._last_read[host.untyped_storage().data_ptr()] = event
         nbytes = host.numel() * host.element_size()
         self.stats.add("h2d", layer, nbytes)
         if recorder is not None:
@@ -324,8 +329,16 @@ class CudaDevice(StreamingDevice):
     def synchronize(self):
         torch.cuda.synchronize(self.torch_device)
 
-    def loads_done(self):
-        self.h2d_stream.synchronize()
+    def loads_done(self, tensors=None):
+        if tensors is None:
+            self.h2d_stream.synchronize()
+            return
+        # Only the loads that read these tensors: the h2d stream also holds loads issued for
+        # layers ahead, which wait for compute to get there (``load``).
+        for t in tensors:
+            event = self._last_read.get(t.untyped_storage().data_ptr())
+            if event is not None:
+                event.synchronize()
 
 
 def _timing_event(stream) -> "torch.cuda.Event":

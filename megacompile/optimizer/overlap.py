@@ -440,7 +440,8 @@ class GradientLander(GradientSink):
         """One fused update; under bf16 the weights' copies that loads carry are rewritten in
         the same pass (a weight without a current copy is updated in a second call)."""
         copies = self.device.weight_copies.for_update(params)
-        self.device.loads_done()  # no load still reads what the update rewrites
+        # No load still reads what the update rewrites: the weights and their copies.
+        self.device.loads_done([*params, *(c for c in copies if c is not None)])
         for with_copy in (True, False):
             index = [i for i, c in enumerate(copies) if (c is not None) == with_copy]
             if not index:
