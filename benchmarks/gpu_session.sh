@@ -2,7 +2,7 @@
 # The GPU checks the open issues wait for, as one prepared run (a lent GPU has 15 device-minutes
 # a session, and a command at most 10 minutes). Run from the repository root on the GPU machine:
 #
-#   bash benchmarks/gpu_session.sh [first|second]
+#   bash benchmarks/gpu_session.sh [first|second|peers]
 #
 # "first" (default, about 8 minutes on an H100):
 #   1. tests/test_cuda.py: the CUDA path after the changes made without a GPU (loads allocated on
@@ -13,6 +13,10 @@
 #      step time, TFLOPS, reserved / budget (target <= 1.05), host thread busy, RSS.
 # "second" (about 9 minutes): the 32-layer Llama-2-7B step with megatrain alone (issue 17's
 #   target shape) and the long-context run at 131,072 tokens (issue 19).
+# "peers" (about 10 minutes): every system of benchmarks/peers.py at 8 layers in one run. It needs
+#   the peers' code carried beside the checkout (not in the repo): DeepSpeed and its needs as
+#   wheels in .whl/ (installed by the device tool's recipe before this script), MegaTrain's
+#   checkout in .peers/MegaTrain (fetch github:DLYuanGod/MegaTrain); name both in `carry`.
 # Outputs go to $OUT (the device tool brings them back), else to benchmarks/results/gpu-session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +41,10 @@ if [ "$part" = first ]; then
     step peers_8_layers 170 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
         --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 160 --out-dir "$OUT" --tag megatrain-8layers
+elif [ "$part" = peers ]; then
+    step peers_all 590 "$PY" benchmarks/peers.py --layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB \
+        --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json --timeout 115 \
+        --out-dir "$OUT" --tag all-systems
 else
     step peers_32_layers 330 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 --batch 8 \
         --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
