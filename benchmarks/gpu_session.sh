@@ -13,7 +13,8 @@
 #      step time, TFLOPS, reserved / budget (target <= 1.05), host thread busy, RSS.
 # "second" (about 9 minutes): the 32-layer Llama-2-7B step with megatrain alone (issue 17's
 #   target shape) and the long-context run at 131,072 tokens (issue 19).
-# "peers" (about 10 minutes): every system of benchmarks/peers.py at 8 layers in one run. It needs
+# "peers" (about 10 minutes): the other systems of benchmarks/peers.py at 8 layers, on the machine
+#   that ran "first" (merge the two files with peers.py --merge-into). It needs
 #   the peers' code carried beside the checkout (not in the repo): DeepSpeed and its needs as
 #   wheels in .whl/ (installed by the device tool's recipe before this script), MegaTrain's
 #   checkout in .peers/MegaTrain (fetch github:DLYuanGod/MegaTrain); name both in `carry`.
@@ -42,9 +43,10 @@ if [ "$part" = first ]; then
         --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 160 --out-dir "$OUT" --tag megatrain-8layers
 elif [ "$part" = peers ]; then
-    step peers_all 590 "$PY" benchmarks/peers.py --layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB \
-        --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json --timeout 115 \
-        --out-dir "$OUT" --tag all-systems
+    # megatrain's own row comes from "first" on the same machine (its compile alone took 99 s).
+    step peers_others 590 "$PY" benchmarks/peers.py --layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB \
+        --systems fsdp2_cpu_offload,deepspeed_zero3_offload,megatrain_reference,resident_torch_compile \
+        --timeout 140 --out-dir "$OUT" --tag peers-8layers
 else
     step peers_32_layers 330 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 --batch 8 \
         --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
