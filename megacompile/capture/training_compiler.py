@@ -285,7 +285,7 @@ class TrainingCompiler:
             return chosen
         merged.plan.predicted_seconds = maker.predict_seconds(merged)
         merged.plan.reason = (chosen.plan.reason + "; each layer's loads and waits before its compute, its "
-                              "offloads and evicts after it (one compiled run; peak "
+                              "offloads and evicts after it (one compiled run, peak "
                               f"{format_bytes(chosen.peak)} -> {format_bytes(merged.peak)})")
         merged.plan.layer_costs, merged.plan.template = chosen.plan.layer_costs, chosen.plan.template
         return merged
