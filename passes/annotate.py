@@ -9,7 +9,7 @@ own NodeInfo (the joint graph's must not change when a forward pass rewrites its
 """
 from __future__ import annotations
 
-import copy
+import functools
 
 import torch
 import torch.fx as fx
@@ -86,6 +86,11 @@ def _chunked(node: fx.Node) -> tuple[int, str]:
     return token_chunks.workspace_bytes(node.target, body, chunks, tokens, shared, *extra), note
 
 
+@functools.lru_cache(maxsize=None)
+def _is_attention(target) -> bool:
+    return "scaled_dot_product" in str(target)  # (an op's str is built on every call: asked once per op)
+
+
 def run(gm: fx.GraphModule, ctx) -> None:
     tangent_index = 0
     input_index = 0
@@ -93,7 +98,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         # Partitioning may share one meta dict between a joint node and its copies.
         node.meta = dict(node.meta)
         old = node.meta.get(META_KEY)
-        ni = copy.copy(old) if old is not None else NodeInfo()  # a shallow copy, like dataclasses.replace
+        ni = old.copy() if old is not None else NodeInfo()  # a shallow copy, like dataclasses.replace
         node.meta[META_KEY] = ni
         if ctx.stage == "joint":
             ni.decision = ni.reason = None  # a fresh plan decides again
@@ -144,8 +149,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
                 ni.workspace_bytes = _workspace(node, ctx.options)
             ni.token_chunks = None
             # Attention ops (forward and backward) say whether their mask was proven causal.
-            ni.attention_mask = (node.meta.get("custom") or {}).get(MASK_NOTE) if "scaled_dot_product" in str(
-                node.target) else None
+            ni.attention_mask = (node.meta.get("custom") or {}).get(MASK_NOTE) if _is_attention(node.target) else None
             if node.target in token_chunks.OPS:
                 ni.workspace_bytes, ni.token_chunks = _chunked(node)
             # Views and tuple-producing ops own no bytes: the base / the getitems do.

@@ -3,8 +3,29 @@ import os
 import sys
 
 import pytest
-import torch
-from torch._dynamo.utils import CleanupManager
+
+
+def _worker_threads() -> int | None:
+    """Under pytest-xdist (``./run test`` starts a worker per core) each worker gets its share
+    of the cores for torch's intra-op threads, and the subprocesses it starts (through
+    OMP_NUM_THREADS) too; None outside xdist. Each worker starting a thread per core
+    oversubscribed them: OpenMP's spinning waits in one worker burnt the core the other
+    worker was compiling on (a fifth of the suite's CPU time on 2 cores)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
+    return int(os.environ["OMP_NUM_THREADS"])
+
+
+_THREADS = _worker_threads()  # before torch is imported: its OpenMP runtime reads the variable at load
+
+import torch  # noqa: E402
+from torch._dynamo.utils import CleanupManager  # noqa: E402
+
+if _THREADS is not None:
+    torch.set_num_threads(_THREADS)  # (in case a plugin imported torch first)
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -63,6 +63,13 @@ class NodeInfo:
     # On attention ops: whether passes/elide_causal_mask.py proved the mask causal, or why not.
     attention_mask: str | None = None
 
+    def copy(self) -> "NodeInfo":
+        """A shallow copy, as ``copy.copy`` makes, without its pickling protocol (annotate
+        copies every node's NodeInfo in every graph the planner builds)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
 
 def info(node: fx.Node) -> NodeInfo:
     """The node's NodeInfo, created empty on first access."""

@@ -83,6 +83,35 @@ def _autocast(body: ChunkBody):
 
 # --- the traced slice programs ---------------------------------------------------------
 _TRACED: dict[tuple, fx.GraphModule] = {}
+_STRUCTURES: dict[str, object] = {}
+
+
+def _structure(key: str):
+    """What the traced slices of run ``key`` depend on: its ops and how they connect, its
+    constants, autocast and token-input count. The same layer's runs in every layer of a
+    model compare equal here (only Dynamo's value names differ), so their slices are traced
+    once. A run holding a tensor constant or a module attribute keeps its own key (a tensor's
+    repr may elide its values)."""
+    found = _STRUCTURES.get(key)
+    if found is None:
+        body = body_of(key)
+        index: dict[fx.Node, int] = {}
+        constants: list = []
+
+        def position(a):
+            if isinstance(a, fx.Node):
+                return ("node", index[a])
+            constants.append(a)
+            return a
+
+        rows = []
+        for i, node in enumerate(body.graph.graph.nodes):
+            index[node] = i
+            rows.append((node.op, node.target, repr(fx.node.map_aggregate((node.args, node.kwargs), position))))
+        shareable = all(n.op != "get_attr" for n in index) and not any(isinstance(a, torch.Tensor) for a in constants)
+        found = (tuple(rows), body.num_token_inputs, body.autocast) if shareable else key
+        _STRUCTURES[key] = found
+    return found
 
 
 def _signature(ts) -> tuple:
@@ -112,8 +141,8 @@ def _backward_fn(body: ChunkBody, needs: tuple):
 def traced_slice(key: str, kind: str, tokens, shared, grads=(), needs: tuple = ()) -> fx.GraphModule:
     """The aten graph one slice runs (``kind``: "forward" or "backward"), for these shapes."""
     grads = list(grads)
-    sig = (key, kind, _signature(tokens), _signature(shared), _signature([g for g in grads if g is not None]),
-           tuple(g is None for g in grads), needs)
+    sig = (_structure(key), kind, _signature(tokens), _signature(shared),
+           _signature([g for g in grads if g is not None]), tuple(g is None for g in grads), needs)
     gm = _TRACED.get(sig)
     if gm is None:
         body = body_of(key)
@@ -378,9 +407,23 @@ def _as_meta(ts):
                                                 device="meta") for t in ts]
 
 
+_WORKSPACE: dict[tuple, int] = {}
+
+
 def workspace_bytes(target, body: str, chunks: int, tokens, shared, grads=(), needs=()) -> int:
     """Bytes one call holds beyond its inputs and outputs at its fullest: one slice's
-    program, and (backward) the fp32 sums of narrower weights' gradients."""
+    program, and (backward) the fp32 sums of narrower weights' gradients. Remembered per
+    run structure and sizes: the planner asks for every copy of the op in every candidate's
+    graphs."""
+    key = (target, _structure(body), chunks, _signature(tokens), _signature(shared),
+           tuple(None if g is None else _signature([g]) for g in grads), tuple(needs))
+    found = _WORKSPACE.get(key)
+    if found is None:
+        found = _WORKSPACE[key] = _workspace_bytes(target, body, chunks, tokens, shared, grads, needs)
+    return found
+
+
+def _workspace_bytes(target, body: str, chunks: int, tokens, shared, grads, needs) -> int:
     _n, rows, part = _slice_inputs(tokens, chunks)
     shared = _as_meta(shared)
     if target is FORWARD:
