@@ -513,8 +513,8 @@ def test_merge_compute_runs_gathers_memory_ops_at_layer_run_ends(captured_gpt, d
     """With the plan's ``merged_compute_runs``, no memory op is left inside a layer's run of
     compute (loads and waits before it, offloads and evicts after it), so the copying
     program compiles each run whole: fewer segments, and no op left to run alone between a
-    wait and an evict. The compute ops keep their order, the invariants hold, and the peak
-    can only grow (frees come later, nothing is allocated sooner but a load at depth 0)."""
+    wait and an evict. The compute ops keep their order, the invariants hold, and here the
+    peak grows (frees come later)."""
     step = captured_gpt
     cut = _build(step, prefetch_depth=depth)
     merged = _build(step, PlanSpec(merged_compute_runs=True), prefetch_depth=depth)

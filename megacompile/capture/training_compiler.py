@@ -272,8 +272,9 @@ class TrainingCompiler:
         """The chosen plan with each layer's memory ops gathered at the ends of its compute
         (passes/merge_compute_runs.py), where that fits the budget and the programs copy: one
         compiled segment per run instead of the ops between a weight's wait and its evict
-        running one by one. Waits move earlier and frees later, so the peak can only grow;
-        the host thread, which this relieves, is not in the cost model's time."""
+        running one by one. Frees move later, so the peak usually grows (under the Inductor
+        lowering's rule that a segment's inputs live to its end, other segment bounds can also
+        lower it); the host thread, which this relieves, is not in the cost model's time."""
         if not (merged_runs_pay_off(self.options, self.record, self.device)
                 and "compute_runs_merged" in facts_after("backward", self.options.disable_passes)):
             return chosen
