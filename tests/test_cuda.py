@@ -20,6 +20,20 @@ pytestmark = [
 ]
 
 
+def _gpt_compiled_and_eager(options: dict):
+    """The reference GPT, TF32 off: (model, its megatrain step under ``options``, an eager
+    copy on the GPU, that copy's step, the batch maker)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
+    torch.manual_seed(0)
+    model = ctor()
+    reference = copy.deepcopy(model).cuda()
+    step, _ = make_training_step(model, loss_fn)
+    eager_step, _ = make_training_step(reference, loss_fn)
+    step = torch.compile(step, backend="megatrain", options={"device": "cuda", **options})
+    return model, step, reference, eager_step, make_batch
+
+
 @pytest.mark.parametrize("name", ["mlp", "gpt", "llama"])
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
 def test_cuda_parity_and_peak(name, lowering):
@@ -142,15 +156,10 @@ def test_cuda_bf16_trains_like_cpu_autocast(name, budget_fraction):
 def test_cuda_optimizer_overlaps_the_backward(lowering):
     """overlap_optimizer="auto" is on for CUDA: from the second call on, each layer's AdamW
     update runs on the host worker while the backward goes on, and training equals eager."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
     torch.manual_seed(0)
-    model = ctor()
-    reference = copy.deepcopy(model).cuda()
-    step, _ = make_training_step(model, loss_fn)
-    eager_step, _ = make_training_step(reference, loss_fn)
-    step = torch.compile(step, backend="megatrain", options={
-        "device": "cuda", "lowering": lowering, "memory_budget": training_state_bytes(model) // 4})
+    budget = training_state_bytes(REFERENCE_MODELS["gpt"][0]()) // 4
+    model, step, reference, eager_step, make_batch = _gpt_compiled_and_eager(
+        {"lowering": lowering, "memory_budget": budget})
     gen = torch.Generator().manual_seed(1)
     modes = []
     for _ in range(4):
@@ -269,14 +278,7 @@ def test_cuda_loads_allocate_in_the_compute_streams_pool():
     one pool: no memory segment belongs to the copy streams (a pool per stream reserves each
     pool's own peak; the h2d stream's pool was the likely cause of a 1.28x reserve). The copy
     program trains like eager with the merged runs of merge_compute_runs taken."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
-    torch.manual_seed(0)
-    model = ctor()
-    reference = copy.deepcopy(model).cuda()
-    step, _ = make_training_step(model, loss_fn)
-    eager_step, _ = make_training_step(reference, loss_fn)
-    step = torch.compile(step, backend="megatrain", options={"device": "cuda", "lowering": "inductor"})
+    model, step, reference, eager_step, make_batch = _gpt_compiled_and_eager({"lowering": "inductor"})
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     gen = torch.Generator().manual_seed(1)
