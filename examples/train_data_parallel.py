@@ -63,6 +63,9 @@ def parse_args(argv=None):
                    help="bf16: compute under autocast (the eager reference too), fp32 master weights")
     p.add_argument("--overlap", action="store_true", help="overlap the host optimizer with the backward")
     p.add_argument("--shard-optimizer", action="store_true", help="each rank holds 1/world of the AdamW state")
+    p.add_argument("--reduce-gradients-on", choices=["auto", "host", "device"], default="auto",
+                   help="average gradients on the GPU before their copies (NCCL) or on the host (gloo); "
+                        "auto: the faster")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective waits for the other ranks")
     p.add_argument("--check", action="store_true", help="exit 1 unless the parameters equal eager training "
                    "on the concatenated global batch")
@@ -105,7 +108,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = Net(args.width, args.depth)  # on the CPU: megatrain streams it to this rank's device
     reference = copy.deepcopy(model) if args.check and rank == 0 else None
-    megacompile.data_parallel(model, shard_optimizer=args.shard_optimizer, timeout=args.timeout)
+    megacompile.data_parallel(model, shard_optimizer=args.shard_optimizer, timeout=args.timeout,
+                              reduce_gradients_on=args.reduce_gradients_on)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     options = {"device": args.device, "lowering": args.lowering, "overlap_optimizer": args.overlap,

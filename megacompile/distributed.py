@@ -7,15 +7,18 @@ then on a megatrain backward that computes their gradients averages them across 
 (``runtime/data_parallel.py``), bucket by bucket while it runs. The model is returned as it is:
 the step compiled with ``backend="megatrain"`` is unchanged.
 
-The collectives run on process groups of their own, gloo over host memory (parameters and
-gradients live on the host), so they never interleave with collectives the user issues on the
-default group, whatever its backend (NCCL included).
+The collectives run on process groups of their own, so they never interleave with collectives
+the user issues on the default group, whatever its backend: gloo over host memory for what lives
+on the host (gradients averaged there, updated parameters), and a device group (NCCL for CUDA
+tensors, gloo for the CPU stand-in's) for gradients averaged on the GPU before they leave it
+(``reduce_gradients_on``; ``megacompile.plan.gradient_reduction`` says which is faster).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import logging
+import socket
 from typing import Iterator
 
 import torch
@@ -30,8 +33,11 @@ log = logging.getLogger(__name__)
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # gloo's own default
 
 
+_REDUCE_ON = ("auto", "host", "device")
+
+
 def data_parallel(model: torch.nn.Module, *, process_group=None, shard_optimizer: bool = False,
-                  shared_memory: bool = True,
+                  shared_memory: bool = True, reduce_gradients_on: str = "auto",
                   timeout: float | datetime.timedelta | None = None) -> torch.nn.Module:
     """Make ``model`` data parallel over ``process_group`` (default: every rank).
 
@@ -40,10 +46,16 @@ def data_parallel(model: torch.nn.Module, *, process_group=None, shard_optimizer
     the updated parameters are broadcast from their owner, so every rank ends the step with
     the same parameters. Where every rank runs on one host (and ``shared_memory``), the
     parameters live once per host in shared memory that every rank maps, and the owners'
-    updates need no broadcast (``runtime/shared_parameters.py``). ``timeout`` (seconds): how
-    long a collective may wait for the other ranks before the step fails with
-    ``DataParallelError``.
+    updates need no broadcast (``runtime/shared_parameters.py``). ``reduce_gradients_on``:
+    where gradients are averaged: ``"device"`` (on the GPU before they are copied to the host:
+    NCCL; on the CPU stand-in, gloo on its device tensors), ``"host"`` (gloo after they land),
+    or ``"auto"`` (the faster by ``megacompile.plan.gradient_reduction``: the device where NCCL
+    reduces CUDA tensors, else the host). ``timeout`` (seconds): how long a collective may
+    wait for the other ranks before the step fails with ``DataParallelError``.
     """
+    if reduce_gradients_on not in _REDUCE_ON:
+        raise DataParallelError(f"megacompile.data_parallel(): reduce_gradients_on={reduce_gradients_on!r}; "
+                                f"use one of {', '.join(map(repr, _REDUCE_ON))}")
     if not dist.is_available() or not dist.is_initialized():
         raise DataParallelError(
             "megacompile.data_parallel() needs torch.distributed: launch with torchrun and call "
@@ -70,6 +82,13 @@ def data_parallel(model: torch.nn.Module, *, process_group=None, shard_optimizer
     # (new_group is collective over the whole job: every rank takes part, member or not.)
     reduce_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
     broadcast_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout) if shard_optimizer else None
+    # The device group: NCCL for CUDA tensors where this build has both (its communicator is
+    # made at the first collective, so an unused group costs nothing), gloo for the stand-in's.
+    device_backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else None
+    device_group = None
+    if reduce_gradients_on != "host":
+        device_group = dist.new_group(ranks=ranks, timeout=timeout,
+                                      backend="cpu:gloo,cuda:nccl" if device_backend else "gloo")
     if ranks is not None and dist.get_rank() not in ranks:
         return model  # not a member: the groups exist, nothing to do here
 
@@ -88,7 +107,9 @@ def data_parallel(model: torch.nn.Module, *, process_group=None, shard_optimizer
         for t in ([] if shared else params) + list(model.buffers()):
             dist.broadcast(t.data, src=src, group=reduce_group)
     owners = _partition(params, dist.get_world_size(reduce_group)) if shard_optimizer else None
-    group = DataParallelGroup(reduce_group, broadcast_group, timeout, owners, shared_parameters=shared)
+    group = DataParallelGroup(reduce_group, broadcast_group, timeout, owners, shared_parameters=shared,
+                              device_group=device_group, device_backend=device_backend or "gloo",
+                              reduce_on=reduce_gradients_on, nodes=_count_hosts(reduce_group))
     register([p for _, p in named], group)
     return model
 
@@ -105,6 +126,13 @@ def _check_same_structure(model: torch.nn.Module, group) -> None:
             raise DataParallelError(
                 f"megacompile.data_parallel(): rank {rank}'s model differs from rank {dist.get_rank(group)}'s "
                 f"(first difference: {diff[1]} there, {diff[0]} here); every rank must build the same model")
+
+
+def _count_hosts(group) -> int:
+    """How many hosts the group's ranks run on (the cost model's nodes)."""
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts))
 
 
 def _partition(params: list[torch.Tensor], world: int) -> dict[int, int]:

@@ -73,7 +73,8 @@ class StepReport:
     offload_arena_bytes: int = 0
     # A data-parallel model (megacompile.data_parallel): runtime.data_parallel.DataParallelStats
     # as a dict (world_size, rank, synced, buckets, reduced_bytes, exposed_seconds,
-    # sharded_optimizer, shared_parameters); None otherwise.
+    # sharded_optimizer, shared_parameters, reduced_on, reduced_on_why, device_reductions,
+    # device_reduced_bytes); None otherwise.
     data_parallel: dict | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -112,9 +113,13 @@ class StepReport:
             )
         if self.data_parallel is not None:
             d = self.data_parallel
+            on_device = (f"{d['device_reductions']} gradients ({format_bytes(d['device_reduced_bytes'])}) averaged "
+                         f"on the device, " if d.get("device_reductions") else "")
             lines.append(
-                f"  data parallel        rank {d['rank']} of {d['world_size']}: {d['buckets']} gradient buckets "
-                f"({format_bytes(d['reduced_bytes'])}) averaged, {d['exposed_seconds'] * 1e3:.1f} ms waited at the end"
+                f"  data parallel        rank {d['rank']} of {d['world_size']}: {on_device}{d['buckets']} gradient "
+                f"buckets ({format_bytes(d['reduced_bytes'])}) averaged on the host, "
+                f"{d['exposed_seconds'] * 1e3:.1f} ms waited at the end"
+                + (f" (reduced on the {d['reduced_on']}: {d['reduced_on_why']})" if d.get("reduced_on_why") else "")
                 + ("; optimizer state sharded" if d["sharded_optimizer"] else "")
                 + ("; parameters shared by the host's ranks" if d["shared_parameters"] else "") if d["synced"]
                 else f"  data parallel        rank {d['rank']} of {d['world_size']}: no_sync (gradients kept local)")

@@ -43,6 +43,12 @@ class DataParallelStats:
     exposed_seconds: float = 0.0  # the backward's wait for reductions still running at its end
     sharded_optimizer: bool = False
     shared_parameters: bool = False  # one copy per host, in shared memory (runtime/shared_parameters.py)
+    # Where this backward averaged gradients ("host" or "device") and why; the host path's
+    # buckets and bytes are above, the device path's all-reduces (one per gradient) here.
+    reduced_on: str = "host"
+    reduced_on_why: str = ""
+    device_reductions: int = 0
+    device_reduced_bytes: int = 0
 
 
 class DataParallelGroup:
@@ -50,8 +56,19 @@ class DataParallelGroup:
     parameters travel on, and (with a sharded optimizer) which rank updates which parameter."""
 
     def __init__(self, reduce_group, broadcast_group, timeout: datetime.timedelta | None,
-                 owners: dict[int, int] | None, shared_parameters: bool = False) -> None:
+                 owners: dict[int, int] | None, shared_parameters: bool = False, *, device_group=None,
+                 device_backend: str | None = None, reduce_on: str = "host", nodes: int = 1) -> None:
         self.reduce_group = reduce_group  # gradient all-reduces (host tensors: gloo)
+        # Gradient all-reduces on the compute device (None: not created), issued only from the
+        # program's thread; ``device_backend``: what reduces CUDA tensors on it ("nccl" or "gloo").
+        self.device_group = device_group
+        self.device_backend = device_backend
+        self.reduce_on = reduce_on  # "auto", "host" or "device" (megacompile.data_parallel)
+        self.nodes = nodes
+        # A backward under no_sync() left each rank its own gradients in param.grad: the next
+        # synced backward must average those too, which only the host path (it reduces
+        # param.grad + gradient) does.
+        self.local_accumulation = False
         self.broadcast_group = broadcast_group  # updated parameters from their owner
         self.world_size = dist.get_world_size(reduce_group)
         self.rank = dist.get_rank(reduce_group)
@@ -89,9 +106,11 @@ class DataParallelGroup:
         except Exception as e:
             raise collective_failed(what, self, e) from e
 
-    def wait(self, work, what: str) -> None:
+    def wait(self, work, what: str, on_stream: bool = False) -> None:
+        """``on_stream``: a CUDA collective, waited for by the current stream, not the host
+        thread (NCCL blocks the thread when given a timeout; its watchdog enforces the group's)."""
         try:
-            if self.timeout is None:
+            if self.timeout is None or on_stream:
                 work.wait()
             else:
                 work.wait(self.timeout)
@@ -170,11 +189,42 @@ class GradientReducer:
     """One backward's all-reduces: ``submit`` a layer's landed gradients, ``result`` their
     average (each gradient plus what ``param.grad`` held, averaged over the ranks)."""
 
-    def __init__(self, group: DataParallelGroup) -> None:
+    def __init__(self, group: DataParallelGroup, on_device: bool = False, why: str = "") -> None:
         self.group = group
+        # This backward's gradients are averaged on the device as they are offloaded.
+        self.on_device = on_device and group.device_group is not None
         self.stats = DataParallelStats(group.world_size, group.rank, sharded_optimizer=group.shards_optimizer,
-                                       shared_parameters=group.shared_parameters)
+                                       shared_parameters=group.shared_parameters,
+                                       reduced_on="device" if self.on_device else "host", reduced_on_why=why)
         self._lock = threading.Lock()
+
+    def reduce_on_device(self, value: torch.Tensor, layer: str | None) -> Callable[[], None] | None:
+        """Starts the average of a gradient still on the device, in place, over the device
+        group (called on the program's thread, in program order). Returns what its copy to the
+        host must call first (in the copy's stream context: on CUDA the copy stream waits for
+        the collective, the host thread does not), or None where ``value``'s memory is not one
+        dense block (its copy then lands as it is and the host path averages it)."""
+        flat = _dense_flat(value)
+        if flat is None:
+            return None
+        # NCCL averages inside the collective; gloo has no AVG: the sum is divided after it.
+        average = value.is_cuda and self.group.device_backend == "nccl"
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        what = f"the gradient all-reduce of layer {layer or '(glue)'} on the device"
+        try:
+            work = dist.all_reduce(flat, op=op, group=self.group.device_group, async_op=True)
+        except Exception as e:
+            raise collective_failed(what, self.group, e) from e
+        with self._lock:
+            self.stats.device_reductions += 1
+            self.stats.device_reduced_bytes += value.numel() * value.element_size()
+
+        def after() -> None:
+            self.group.wait(work, what, on_stream=value.is_cuda)
+            if not average:
+                flat.div_(self.group.world_size)
+
+        return after
 
     def submit(self, layer: str | None, items: list[tuple[torch.Tensor, torch.Tensor, Callable | None]]) -> Bucket:
         """``items``: (parameter, landed gradient, ``ready`` or None). The parameter's current
@@ -216,25 +266,55 @@ class GradientReducer:
         return out
 
 
+def _dense_flat(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view over exactly ``t``'s elements where they fill one block of memory in some
+    order (a transposed weight gradient does), else None. An all-reduce is elementwise, so
+    reducing the block reduces ``t``."""
+    if t.is_contiguous():
+        return t.view(-1)
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
 class ReducingSink(GradientSink):
     """A backward's gradient sink where the optimizer does not overlap it: takes every
     data-parallel parameter's gradient as it lands, all-reduces it layer by layer, and leaves
     the average in ``param.grad`` before the backward returns (where autograd would have put
     the gradient), so clipping, schedulers and ``opt.step()`` see the global gradient."""
 
-    def __init__(self, params: dict[int, torch.Tensor], group: DataParallelGroup) -> None:
+    def __init__(self, params: dict[int, torch.Tensor], group: DataParallelGroup,
+                 reducer: GradientReducer | None = None) -> None:
         self.params = params  # output position -> parameter
         self.group = group
-        self.reducer = GradientReducer(group)
+        self.reducer = reducer or GradientReducer(group)
         self.stats = self.reducer.stats
         self._batch: list[tuple] = []
         self._batch_layer: str | None = None
         self._buckets: list[Bucket] = []
+        self._on_device: set[int] = set()  # positions whose gradient the device averaged
+        self._averaged: list[tuple] = []  # (param, landed average, ready, prior grad)
 
     def owns(self, position: int) -> bool:
         return position in self.params
 
+    def before_offload(self, position: int, value: torch.Tensor, layer: str | None):
+        if not self.reducer.on_device:
+            return None
+        after = self.reducer.reduce_on_device(value, layer)
+        if after is not None:
+            self._on_device.add(position)
+        return after
+
     def take(self, position: int, host_grad: torch.Tensor, layer: str | None, ready=None) -> None:
+        if position in self._on_device:
+            p = self.params[position]
+            self._averaged.append((p, host_grad, ready, p.grad))
+            return
         if self._batch and layer != self._batch_layer:
             self._flush()
         self._batch.append((self.params[position], host_grad, ready))
@@ -248,18 +328,26 @@ class ReducingSink(GradientSink):
         if failed:
             # The step's own error is the one to report; the peers' matching collectives
             # fail when this process stops (or at the group's timeout).
-            self._batch, self._buckets = [], []
+            self._batch, self._buckets, self._averaged = [], [], []
             return
         if self._batch:
             self._flush()
         start = time.perf_counter()
         try:
+            for p, g, ready, prior in self._averaged:
+                if ready is not None:
+                    ready()  # CUDA: the average's copy to the host has landed
+                g = g.to(p.dtype)  # a bf16 average: widened here
+                # A prior gradient from a synced backward is the same on every rank: the
+                # average of (prior + gradient) is prior + the average.
+                p.grad = g if prior is None else prior + g
             for bucket in self._buckets:
                 for p, g in zip(bucket.params, self.reducer.result(bucket)):
                     p.grad = g
+            self.group.local_accumulation = False  # every rank's param.grad is the average now
         finally:
             self.stats.exposed_seconds = time.perf_counter() - start
-            self._buckets = []
+            self._buckets, self._averaged = [], []
 
 
 def share_updated(group: DataParallelGroup, params: list[torch.Tensor],

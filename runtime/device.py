@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import weakref
+from typing import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -82,9 +83,11 @@ class StreamingDevice:
         raise NotImplementedError
 
     def offload(self, device_tensor: torch.Tensor, name: str, layer: str | None,
-                into: torch.Tensor | None = None) -> torch.Tensor:
+                into: torch.Tensor | None = None, after: Callable[[], None] | None = None) -> torch.Tensor:
         """Copies ``device_tensor`` to the host: into ``into`` (a view of an offload arena,
-        same shape and strides) where given, else into a host tensor of its own."""
+        same shape and strides) where given, else into a host tensor of its own. ``after``:
+        device work the copy follows (a gradient's all-reduce), called in the copy's stream
+        context before it is issued."""
         raise NotImplementedError
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
@@ -107,7 +110,8 @@ class StreamingDevice:
         tensor's own memory, its bytes still counted as the schedule's host-to-device traffic."""
         raise NotImplementedError(f"the {self.kind} device cannot share host memory")
 
-    def hand_over(self, device_tensor: torch.Tensor, name: str, layer: str | None) -> torch.Tensor:
+    def hand_over(self, device_tensor: torch.Tensor, name: str, layer: str | None,
+                  after: Callable[[], None] | None = None) -> torch.Tensor:
         """An offload without a copy (only where ``shares_host_memory``), counted like ``share``."""
         raise NotImplementedError(f"the {self.kind} device cannot share host memory")
 
@@ -153,7 +157,9 @@ class CpuStandInDevice(StreamingDevice):
         self.stats.add("h2d", layer, host.numel() * host.element_size())
         return dev
 
-    def offload(self, device_tensor, name, layer, into=None):
+    def offload(self, device_tensor, name, layer, into=None, after=None):
+        if after is not None:
+            after()  # synchronous here, like the copy
         host = device_tensor.clone(memory_format=torch.preserve_format) if into is None else into.copy_(device_tensor)
         self.stats.add("d2h", layer, device_tensor.numel() * device_tensor.element_size())
         return host
@@ -164,7 +170,9 @@ class CpuStandInDevice(StreamingDevice):
         # drop or wrap it without touching the caller's tensor.
         return host.detach()
 
-    def hand_over(self, device_tensor, name, layer):
+    def hand_over(self, device_tensor, name, layer, after=None):
+        if after is not None:
+            after()
         self.stats.add("d2h", layer, device_tensor.numel() * device_tensor.element_size())
         return device_tensor
 
@@ -271,8 +279,10 @@ class CudaDevice(StreamingDevice):
         # last reference to its values was dropped: the next offloads into it come after them.
         self.d2h_stream.wait_stream(self.h2d_stream)
 
-    def offload(self, device_tensor, name, layer, into=None):
+    def offload(self, device_tensor, name, layer, into=None, after=None):
         if device_tensor.device.type == "cpu":
+            if after is not None:
+                after()
             return device_tensor
         nbytes = device_tensor.numel() * device_tensor.element_size()
         if into is not None:
@@ -287,7 +297,11 @@ class CudaDevice(StreamingDevice):
         self.d2h_stream.wait_stream(compute)
         recorder = trace.active()
         with torch.cuda.stream(self.d2h_stream):
-            # Recorded after the wait on compute: the event marks when the copy can start.
+            if after is not None:
+                # A collective's wait here makes the copy stream wait for it (NCCL: an event on
+                # its own stream); compute goes on with the layers before.
+                after()
+            # Recorded after the waits: the event marks when the copy can start.
             copy_start = _timing_event(self.d2h_stream) if recorder is not None else None
             host.copy_(device_tensor, non_blocking=True)
             event = torch.cuda.Event(enable_timing=recorder is not None)

@@ -341,7 +341,29 @@ class _Lowering:
             return Load(out=out, tag=tag, **common)
         returns = self.widened_at.get(node, self.returned.get(node))
         return Offload(out=out, tag=tag, staged=node in self.staged, returns=returns,
-                       to_arena=node in self.to_arena, **common)
+                       to_arena=node in self.to_arena, sole_reader=returns is not None and _sole_reader(node),
+                       **common)
+
+
+def _sole_reader(offload: fx.Node) -> bool:
+    """Whether the offload's copy is the last thing that reads its source's memory: the source
+    and the views it is made of have no other user than the next link of that chain (and the
+    memory ops ordering this copy), and the memory is made here (not an input or a constant)."""
+    node, reader = offload.args[0], offload
+    while True:
+        if node.op != "call_function":
+            return False
+        if any(u is not reader and u.target not in (ops.wait, ops.evict) for u in node.users):
+            return False
+        parent = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        # A view, or an element of a view op's results (a piece of a split), shares its base.
+        shares = is_view_node(node) or (node.target is operator.getitem and parent is not None
+                                        and is_view_node(parent))
+        if not shares:
+            return True
+        if parent is None:
+            return False
+        node, reader = parent, node
 
 
 def _plan_frees(instructions: list[Instruction], input_slots: list[int], output_template: Any) -> list[int]:

@@ -28,6 +28,13 @@ class GradientSink:
         sink)."""
         return False
 
+    def before_offload(self, position: int, value: torch.Tensor, layer: str | None) -> Callable[[], None] | None:
+        """An ``owns`` position's value, still on the device, just before the program copies
+        it to the host (only where nothing else reads its memory after the copy): the sink may
+        start work on it in place (data parallel: its all-reduce). Returns what the copy must
+        call first, in the copy's stream context, or None."""
+        return None
+
     def take(self, position: int, host_grad: torch.Tensor, layer: str | None,
              ready: Callable[[], None] | None = None) -> None:
         """The value returned at ``position`` (an ``owns`` position) has landed on the host, in

@@ -290,6 +290,9 @@ class Offload(Instruction):
     returns: int | None = None
     # An activation the forward saves for the backward: copied into the call's offload arena.
     to_arena: bool = False
+    # Nothing reads the source's memory after this copy (no other value aliases it), so the
+    # sink may change it in place first (``GradientSink.before_offload``).
+    sole_reader: bool = False
 
     def reads(self) -> list[int]:
         return [self.source]
@@ -299,13 +302,15 @@ class Offload(Instruction):
 
     def run(self, call: Call) -> None:
         device = call.device
+        value = call.env[self.source]
+        taken = self.returns is not None and call.sink.owns(self.returns)
+        after = call.sink.before_offload(self.returns, value, self.layer) if taken and self.sole_reader else None
         if call.share:
-            host = device.hand_over(call.env[self.source], self.tag, self.layer)
+            host = device.hand_over(value, self.tag, self.layer, after=after)
         else:
-            value = call.env[self.source]
             into = call.arena.place(value) if self.to_arena and call.arena is not None else None
-            host = device.offload(value, self.tag, self.layer, into=into)
-        if self.returns is not None and call.sink.owns(self.returns):
+            host = device.offload(value, self.tag, self.layer, into=into, after=after)
+        if taken:
             # Taken as soon as it lands: the program returns None for it and keeps no host copy.
             call.sink.take(self.returns, host, self.layer, device.completion(host))
             return

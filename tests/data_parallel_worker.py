@@ -7,6 +7,7 @@ the concatenated global batch (computed on every rank: the models are tiny).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
@@ -180,10 +181,11 @@ def overlapped_and_resumed(rank: int, world: int, outdir: str) -> tuple[dict, ob
 
     # Resume on one rank: rank 0 alone (a one-rank group) reads both ranks' shards.
     solo = dist.new_group([0], backend="gloo")
+    torch.manual_seed(11)
+    alone = Net()
+    # Every rank calls it (its process groups are made by the whole job); rank 1 is no member.
+    megacompile.data_parallel(alone, process_group=solo, shard_optimizer=True, timeout=20)
     if rank == 0:
-        torch.manual_seed(11)
-        alone = Net()
-        megacompile.data_parallel(alone, process_group=solo, shard_optimizer=True, timeout=20)
         a_opt = torch.optim.AdamW(alone.parameters(), lr=1e-2, weight_decay=0.01)
         state = {"model": alone.state_dict(), "optim": megacompile.optimizer_state_dict(alone, a_opt)}
         dcp.load(state, checkpoint_id=checkpoint, process_group=solo)
@@ -191,6 +193,62 @@ def overlapped_and_resumed(rank: int, world: int, outdir: str) -> tuple[dict, ob
         out["one_rank_state_bytes"] = state_bytes(a_opt)
         out["one_rank_lr"] = a_opt.param_groups[0]["lr"]
     return out, step
+
+
+def averaged_on_the_device(rank: int, world: int) -> dict:
+    """``reduce_gradients_on="device"``: each gradient's all-reduce runs on the (stand-in)
+    device before its copy to the host. First an eager loop (the reducing sink): two synced
+    micro-batches a step (the second adds the average to the first's), then a step whose first
+    micro-batch is under no_sync (its local gradients must be averaged too: the host path);
+    then the whole step compiled with the optimizer overlapped and sharded."""
+    model, reference, opt, sched, ref_opt, ref_sched = new_training(seed=5, reduce_gradients_on="device")
+    compiled = torch.compile(model, backend="megatrain", options=OPTIONS)
+    per_rank = GLOBAL_BATCH // world
+    grad_diff, reports = 0.0, []
+    for i, (x, y) in enumerate(batches(3, seed=4)):
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank].chunk(2), y[rank * per_rank:(rank + 1) * per_rank].chunk(2)
+        with megacompile.no_sync(model) if i == 2 else contextlib.nullcontext():
+            (F.mse_loss(compiled(xs[0]), ys[0]) / 2).backward()
+        reports.append(megacompile.last_report().data_parallel)
+        (F.mse_loss(compiled(xs[1]), ys[1]) / 2).backward()
+        reports.append(megacompile.last_report().data_parallel)
+        for k in range(2):
+            idx = torch.cat([torch.arange(r * per_rank, (r + 1) * per_rank).chunk(2)[k] for r in range(world)])
+            (F.mse_loss(reference(x[idx]), y[idx]) / 2).backward()
+        grad_diff = max(grad_diff, max((p.grad - q.grad).abs().max().item()
+                                       for p, q in zip(model.parameters(), reference.parameters())))
+        for m, o, s in ((model, opt, sched), (reference, ref_opt, ref_sched)):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+            s.step()
+            o.zero_grad()
+    out = {"grad_diff": grad_diff, "max_diff": max_diff(model, reference),
+           "same_on_every_rank": same_on_every_rank(model), "reports": reports}
+
+    model, reference, opt, sched, ref_opt, ref_sched = new_training(seed=6, shard_optimizer=True,
+                                                                    reduce_gradients_on="device")
+
+    @torch.compile(backend="megatrain", options={**OPTIONS, "overlap_optimizer": True})
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    overlapped = []
+    for x, y in batches(4, seed=8):
+        step(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+        overlapped.append(megacompile.last_report().optimizer["overlapped"])
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+    out["overlapped"] = {"overlapped": overlapped, "max_diff": max_diff(model, reference),
+                         "same_on_every_rank": same_on_every_rank(model),
+                         "report": megacompile.last_report().data_parallel}
+    return out
 
 
 def rank_dies(rank: int, world: int, compiled) -> dict:
@@ -220,6 +278,8 @@ def main(outdir: str) -> None:
             json.dump(result, f)
 
     compiled, result["accumulate_and_clip"] = accumulate_and_clip(rank, world)
+    save()
+    result["averaged_on_the_device"] = averaged_on_the_device(rank, world)
     save()
     result["overlapped_and_resumed"], _ = overlapped_and_resumed(rank, world, outdir)
     save()

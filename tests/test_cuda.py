@@ -320,3 +320,26 @@ def test_cuda_bf16_llama_attention_runs_the_flash_pair_without_a_second_forward(
             want = eager_step(x).item()
         assert abs(got - want) <= 2e-3 * abs(want), (got, want)
     assert device_attention._VERDICTS.get(("cuda", torch.bfloat16, 32, True)) is True, device_attention._VERDICTS
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+@pytest.mark.parametrize("reduce_on", ["device", "host"])
+def test_two_gpus_average_gradients_with_nccl_or_gloo_like_the_global_batch(reduce_on):
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "examples/train_data_parallel.py", "--device", "cuda", "--check", "--steps", "3", "--overlap",
+           "--reduce-gradients-on", reduce_on]
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "parity with eager on the global batch" in done.stdout
+    # The report of the last step says where the gradients were averaged.
+    assert f"reduced on the {reduce_on}" in done.stdout, done.stdout[-3000:]

@@ -4,8 +4,9 @@
 backward. Two ranks (subprocesses, as torchrun starts them, with timeouts so a hang fails)
 train and compare with plain eager PyTorch on the concatenated global batch: parameters within
 fp32 rounding, identical on both ranks; the sharded optimizer holds about half the AdamW state
-per rank; a DCP checkpoint resumes on the same ranks and on one; a rank that exits makes the
-other's step fail with ``DataParallelError``. The example script runs under torchrun.
+per rank; gradients averaged on the device (before their copies) train the same; a DCP
+checkpoint resumes on the same ranks and on one; a rank that exits makes the other's step
+fail with ``DataParallelError``. The example script runs under torchrun.
 """
 from __future__ import annotations
 
@@ -78,6 +79,40 @@ def test_accumulation_clipping_and_no_sync_match_the_global_batch(two_ranks):
         # One all-reduce per layer (4 layers), nothing more.
         assert r["report"]["buckets"] == 4 and r["report"]["sharded_optimizer"]
         assert not r["optimizer"]["overlapped"]
+
+
+def test_gradients_averaged_on_the_device_match_the_global_batch(two_ranks):
+    results, _, logs = two_ranks
+    for rank, result in enumerate(results):
+        r = result["averaged_on_the_device"]
+        assert r["grad_diff"] <= GRAD_ATOL, (rank, r["grad_diff"], logs[rank][-2000:])
+        assert r["max_diff"] <= PARAM_ATOL and r["same_on_every_rank"], (rank, r["max_diff"])
+        reports = r["reports"]
+        # Two synced micro-batches a step: every gradient (4 weights, 4 biases) averaged on
+        # the device before its copy, no host bucket (the second adds its average to the first's).
+        for report in reports[:4]:
+            assert report["reduced_on"] == "device" and report["device_reductions"] == 8, report
+            assert report["buckets"] == 0 and report["device_reduced_bytes"] == 4 * (16 * 16 + 16) * 4
+        # Under no_sync nothing is reduced; the backward after it averages the local gradients
+        # along with its own, which the host path does (one bucket per layer).
+        assert not reports[4]["synced"]
+        assert reports[5]["reduced_on"] == "host" and reports[5]["buckets"] == 4, reports[5]
+        assert reports[5]["device_reductions"] == 0 and "no_sync" in reports[5]["reduced_on_why"]
+        # The overlapped, sharded optimizer updates from averages the device made.
+        o = r["overlapped"]
+        assert o["overlapped"] == [False, True, True, True], rank
+        assert o["max_diff"] <= PARAM_ATOL and o["same_on_every_rank"], (rank, o["max_diff"])
+        assert o["report"]["reduced_on"] == "device" and o["report"]["device_reductions"] == 8
+        assert o["report"]["buckets"] == 0
+
+
+def test_auto_averages_on_the_host_without_device_collectives(two_ranks):
+    results, _, _ = two_ranks
+    for result in results:
+        # The CPU stand-in: no NCCL for its tensors, so "auto" keeps the host path.
+        report = result["overlapped_and_resumed"]["report"]
+        assert report["reduced_on"] == "host" and report["device_reductions"] == 0
+        assert "NCCL" in report["reduced_on_why"], report
 
 
 def test_sharded_optimizer_holds_half_the_state(two_ranks):

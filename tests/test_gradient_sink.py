@@ -6,6 +6,8 @@ widened by the graph's cast; a sink that owns a position gets that gradient exac
 its bf16 copy, in the order the backward produces them, and the program returns None for it;
 a sink that owns nothing still sees each widening; ``finish`` runs also after an error.
 """
+import operator
+
 import pytest
 import torch
 from conftest import COMPILED, record_programs
@@ -120,3 +122,73 @@ def test_sink_finishes_after_an_error(bf16_mlp):
     with pytest.raises(RuntimeError, match="sink refused a gradient"):
         step()
     assert sink.finished == 1 and sink.failed  # told the program failed
+
+
+class DoubleOnDevice(TakeAll):
+    """Changes each offered gradient in place on the device (as an all-reduce does), and
+    orders the copy after it: what lands must be the changed value."""
+
+    def __init__(self, positions):
+        super().__init__(positions)
+        self.offered: list[int] = []
+        self.copies_waited = 0
+
+    def before_offload(self, position, value, layer):
+        self.offered.append(position)
+        value.mul_(2)  # exact in bf16
+
+        def after():
+            self.copies_waited += 1
+        return after
+
+
+def test_the_sink_changes_a_gradient_on_the_device_before_its_copy(bf16_mlp):
+    step, backward, record, params, grads = bf16_mlp
+    sink = DoubleOnDevice(params)
+    backward.make_sink = lambda: sink
+    step()
+    # Every gradient is offered once, still on the device: each is made by the backward and
+    # read by nothing after its copy (a weight's is a transposed view of its own matmul).
+    assert sorted(sink.offered) == sorted(params) and sink.copies_waited == len(params)
+    for position, narrow, _ in sink.taken:
+        assert torch.equal(narrow.float(), 2 * grads[params[position]])
+    # The default sink is offered nothing and changes nothing.
+    backward.make_sink = lambda: None
+    assert all(torch.equal(g, grads[p]) for p, g in step().items())
+
+
+def test_a_gradient_whose_memory_something_else_reads_is_not_offered():
+    from megacompile.runtime.executor import _sole_reader
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    mm = graph.call_function(torch.ops.aten.mm.default, (x, x))
+    t = graph.call_function(torch.ops.aten.t.default, (mm,))
+    fresh = graph.call_function(ops.offload, (t,))
+    graph.call_function(ops.evict, (t,))
+    of_input = graph.call_function(ops.offload, (x,))  # an input's memory: the caller's
+    mm2 = graph.call_function(torch.ops.aten.mm.default, (x, x))
+    shared = graph.call_function(ops.offload, (graph.call_function(torch.ops.aten.t.default, (mm2,)),))
+    later = graph.call_function(torch.ops.aten.relu.default, (mm2,))  # reads mm2 after the copy
+    mm3 = graph.call_function(torch.ops.aten.mm.default, (x, x))
+    pieces = graph.call_function(torch.ops.aten.split.Tensor, (mm3, 2))
+    piece = graph.call_function(operator.getitem, (pieces, 0))
+    sibling = graph.call_function(operator.getitem, (pieces, 1))
+    of_piece = graph.call_function(ops.offload, (piece,))
+    graph.output((fresh, of_input, shared, later, of_piece, sibling))
+    assert _sole_reader(fresh)
+    assert not _sole_reader(of_input) and not _sole_reader(shared) and not _sole_reader(of_piece)
+
+
+def test_a_dense_gradient_is_reduced_as_one_block():
+    from megacompile.runtime.data_parallel import _dense_flat
+
+    base = torch.arange(12.0).reshape(3, 4)
+    for t in (base, base.t(), base.t().unsqueeze(0)):
+        flat = _dense_flat(t)
+        assert flat is not None and flat.is_contiguous() and flat.numel() == t.numel()
+        before = t.clone()
+        flat.add_(1)  # elementwise on the block is elementwise on t
+        assert torch.equal(t, before + 1)
+    # Gaps or repeats: no single block holds exactly its elements.
+    assert _dense_flat(base[:, ::2]) is None and _dense_flat(torch.zeros(4).expand(3, 4)) is None

@@ -12,7 +12,8 @@ import pytest
 
 from megacompile import cli
 from megacompile.cli.plan_command.full_depth import DepthPlan
-from megacompile.cli.plan_command.scale_out import LOOPBACK_BANDWIDTH, format_scale_out, scale_out
+from megacompile.cli.plan_command.scale_out import format_scale_out, scale_out
+from megacompile.plan.gradient_reduction import LOOPBACK_BANDWIDTH, NVLINK_BUS_BANDWIDTH, choose_reduction
 from megacompile.plan.hardware import GB, get_profile
 
 PARAMS = 1_000_000_000
@@ -43,15 +44,43 @@ def test_one_gpu_is_the_one_gpu_plan():
 
 
 def test_ranks_reduce_gradients_and_share_host_memory_bandwidth():
-    two, eight = run(2, 1), run(8, 1)
+    two, eight = run(2, 1, reduce_gradients_on="host"), run(8, 1, reduce_gradients_on="host")
     # Each rank sends 2 (R-1)/R of the fp32 gradients over loopback TCP.
     assert two["allreduce_bytes_per_rank"] == pytest.approx(4 * PARAMS)
     assert eight["parts_s"]["allreduce"] == pytest.approx(2 * 7 / 8 * 4 * PARAMS / LOOPBACK_BANDWIDTH)
+    assert eight["gradients_reduced_on"] == "host"
     # More GPUs per node: more tokens per step, never more per GPU than one GPU alone.
     assert two["tokens_per_s"] < eight["tokens_per_s"]
     for s in (two, eight):
         assert 0 < s["scaling_efficiency"] <= 1
     assert eight["parts_s"]["host_memory"] > two["parts_s"]["host_memory"]
+
+
+def test_gradients_are_averaged_where_the_ring_is_faster():
+    host, auto = run(8, 1, reduce_gradients_on="host"), run(8, 1)
+    # NCCL over NVLink beats gloo over loopback TCP: auto reduces on the GPUs, before the
+    # copies, so the host memory carries no all-reduce traffic and the step is no slower.
+    assert auto["gradients_reduced_on"] == "device"
+    assert auto["parts_s"]["allreduce"] == pytest.approx(2 * 7 / 8 * 4 * PARAMS / NVLINK_BUS_BANDWIDTH)
+    assert auto["parts_s"]["host_memory"] < host["parts_s"]["host_memory"]
+    assert auto["step_s"] <= host["step_s"]
+    assert "NCCL ring on the GPUs" in auto["assumptions"]["allreduce"]
+    # bf16 gradients on the device: half the bytes in the ring.
+    bf16 = run(8, 1, device_grad_bytes_per_param=2)
+    assert bf16["allreduce_bytes_per_rank"] == pytest.approx(auto["allreduce_bytes_per_rank"] / 2)
+
+
+def test_the_reduction_choice_follows_the_bandwidths():
+    # No collective backend for the device (the CPU stand-in): the host.
+    assert choose_reduction(4 * PARAMS, 4 * PARAMS, 2, 1, device_collectives=None).on == "host"
+    # One rank: nothing to reduce; a tie goes to the host, which holds nothing on the device.
+    assert choose_reduction(4 * PARAMS, 4 * PARAMS, 1, 1, device_collectives="nccl").on == "host"
+    # Between nodes both rings cross the same NIC, but gloo's TCP is capped at loopback's rate
+    # and the device ring carries bf16: the device; with equal bytes and NIC, a tie: the host.
+    assert choose_reduction(4 * PARAMS, 2 * PARAMS, 16, 2, device_collectives="nccl").on == "device"
+    tie = choose_reduction(4 * PARAMS, 4 * PARAMS, 16, 2, device_collectives="nccl", nic_bandwidth=5 * GB)
+    assert tie.on == "host" and tie.host_seconds == pytest.approx(tie.device_seconds)
+    assert tie.host_memory_bytes > 0
 
 
 def test_sharded_optimizer_keeps_a_node_at_one_copy():

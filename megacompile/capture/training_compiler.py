@@ -43,6 +43,7 @@ from megacompile.passes.resident_parameters import used_in_both_phases
 from megacompile.plan import flat_planner, template_planner
 from megacompile.plan.cost_model import optimizer_param_bytes, remember_flops, step_time
 from megacompile.plan.flat_planner import Attempt, PlanMaker
+from megacompile.plan.gradient_reduction import choose_reduction
 from megacompile.plan.hardware import get_profile
 from megacompile.plan.memory_estimate import (
     allocation_granularity,
@@ -367,12 +368,21 @@ class TrainingCompiler:
             RECORDER.data_parallel_decided(None if syncing else DataParallelStats(
                 group.world_size, group.rank, synced=group.sync, sharded_optimizer=group.shards_optimizer,
                 shared_parameters=group.shared_parameters))
+            if not group.sync:
+                group.local_accumulation = True  # this backward's gradients stay on this rank
+        reducer = None
+        if syncing:
+            # On the device (before the copies) or on the host (after them): the cost model's
+            # choice, or the user's (megacompile.data_parallel(reduce_gradients_on=...)).
+            on_device, why = reduction_for(group, self.device.kind, sum(p.numel() * p.element_size()
+                                                                         for p in params.values()))
+            reducer = GradientReducer(group, on_device, why)
 
         def without_overlap(why: str):
             RECORDER.overlap_decided(overlap.OverlapStats(False, why))
             if not syncing:
                 return None
-            sink = ReducingSink(params, group)
+            sink = ReducingSink(params, group, reducer)
             RECORDER.data_parallel_decided(sink.stats)
             return sink
 
@@ -390,7 +400,6 @@ class TrainingCompiler:
                 opt, reason = None, "another rank cannot overlap the optimizer with this backward"
         if opt is None:
             return without_overlap(reason)
-        reducer = GradientReducer(group) if syncing else None
         lander = overlap.GradientLander(opt, params, self.device, reason, reducer=reducer)
         RECORDER.overlap_decided(lander.stats)
         if reducer is not None:
@@ -428,6 +437,19 @@ class TrainingCompiler:
         # AOTAutograd hands back the module the partitioner returned; if a PyTorch version
         # copies it, the copy has the same nodes and meta.
         return given if ours is None else given
+
+
+def reduction_for(group, device_kind: str, grad_bytes: int) -> tuple[bool, str]:
+    """(whether this backward averages gradients on the device, why): the user's choice
+    (``data_parallel(reduce_gradients_on=...)``), or under "auto" the faster path for a
+    program on a ``device_kind`` device whose parameters have ``grad_bytes`` of gradients."""
+    if group.local_accumulation:
+        return False, "gradients accumulated under no_sync() are averaged with this backward's, on the host"
+    if group.reduce_on != "auto":
+        return group.reduce_on == "device", f"reduce_gradients_on='{group.reduce_on}'"
+    collectives = "nccl" if device_kind == "cuda" and group.device_backend == "nccl" else None
+    choice = choose_reduction(grad_bytes, grad_bytes, group.world_size, group.nodes, device_collectives=collectives)
+    return choice.on == "device", choice.why
 
 
 def _check_sharded_optimizer(params: dict[int, torch.Tensor]) -> bool:

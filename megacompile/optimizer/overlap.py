@@ -361,9 +361,19 @@ class GradientLander(GradientSink):
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._updated: list[tuple[str | None, int]] = []  # (layer, parameters) done, in order
+        self._on_device: set[int] = set()  # positions whose gradient the device averaged
 
     def owns(self, position: int) -> bool:
         return position in self.params
+
+    def before_offload(self, position: int, value: torch.Tensor, layer: str | None):
+        """Data parallel, averaged on the device: starts the gradient's all-reduce before its copy."""
+        if self.reducer is None or not self.reducer.on_device:
+            return None
+        after = self.reducer.reduce_on_device(value, layer)
+        if after is not None:
+            self._on_device.add(position)
+        return after
 
     def take(self, position: int, host_grad: torch.Tensor, layer: str | None, ready=None) -> None:
         """``ready``: blocks until the gradient's copy to the host is complete (None: it is)."""
@@ -372,7 +382,8 @@ class GradientLander(GradientSink):
         p = self.params[position]
         # A gradient accumulated by earlier micro-batches: eager's AccumulateGrad would add
         # this one to it; the worker does the same add once the copy has landed.
-        self._batch.append((p, host_grad, ready, p.grad))
+        # The last field: the landed gradient is the ranks' average already (the device did it).
+        self._batch.append((p, host_grad, ready, p.grad, position in self._on_device))
         self._batch_layer = layer
         with self._lock:
             self._pending_bytes += host_grad.numel() * host_grad.element_size()
@@ -387,8 +398,8 @@ class GradientLander(GradientSink):
         # Hyperparameters are read now, on the caller's thread: nothing can change them
         # before the step() this update stands for (that is what the bytecode check proved).
         groups: dict[int, list] = {}
-        for p, g, ready, prior in batch:
-            groups.setdefault(self._group_of[id(p)], []).append((p, g, ready, prior))
+        for p, g, ready, prior, averaged in batch:
+            groups.setdefault(self._group_of[id(p)], []).append((p, g, ready, prior, averaged))
         work = []
         for index, items in groups.items():
             group = self.opt.param_groups[index]
@@ -399,10 +410,11 @@ class GradientLander(GradientSink):
                          maximize=bool(group.get("maximize", False)))
             work.append((items, hyper))
         bucket = None
-        if self.reducer is not None:
+        on_host = [(p, g, ready) for items, _ in work for p, g, ready, _, averaged in items if not averaged]
+        if self.reducer is not None and on_host:
             # Issued now, in the order layers land (the same on every rank); the bucket adds
             # what earlier micro-batches accumulated, as the update below would.
-            bucket = self.reducer.submit(layer, [(p, g, ready) for items, _ in work for p, g, ready, _ in items])
+            bucket = self.reducer.submit(layer, on_host)
         self._futures.append(_pool().submit(self._update, work, layer, bucket))
 
     def _update(self, work, layer, bucket=None) -> None:
@@ -413,10 +425,12 @@ class GradientLander(GradientSink):
         with trace.span("host optimizer", f"adam[{layer}]", layer=layer, tensors=n, overlapped=True):
             for items, hyper in work:
                 grads = []
-                for _, g, ready, prior in items:
-                    if averaged is not None:
+                for _, g, ready, prior, on_device in items:
+                    if averaged is not None and not on_device:
                         grads.append(next(averaged))  # landed, accumulated and averaged already
                         continue
+                    # Without data parallel, or averaged on the device: a prior gradient of a
+                    # synced backward is every rank's, so prior + average is the average.
                     if ready is not None:
                         ready()  # CUDA: the gradient's copy to the host has finished
                     grads.append(g if prior is None else prior + g)
@@ -473,6 +487,8 @@ class GradientLander(GradientSink):
             self.stats.exposed_seconds = time.perf_counter() - start
         if failed:
             return
+        if self.reducer is not None:
+            self.reducer.group.local_accumulation = False  # the updates used every rank's average
         # Eager's AccumulateGrad would have left these for step(); the update used them.
         for p in self.params.values():
             if p.grad is not None:

@@ -7,6 +7,7 @@
 - ``solvers``: multiple-choice knapsack solvers, exact and greedy.
 - ``flat_planner``: candidates built over the whole graph, priced, the ladder, the choice.
 - ``template_planner``: repeated layers planned on two short copies, extrapolated to N.
+- ``gradient_reduction``: data parallel: average gradients on the device or on the host.
 - ``depth_extrapolation``: a short program's numbers carried to N layers, linearly
   (the template planner's and ``megacompile plan``'s).
 """

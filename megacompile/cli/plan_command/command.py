@@ -41,8 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shard-optimizer", action="store_true",
                         help="data parallel: every rank keeps the whole optimizer state (default: sharded)")
     parser.add_argument("--nic-bandwidth", default=None, metavar="RATE",
-                        help="data parallel: bytes/s of the NIC gloo uses between nodes, e.g. 25GB "
-                             "(default 25 GB/s: a 200 Gb/s NIC over TCP)")
+                        help="data parallel: bytes/s of each node's NIC between nodes, e.g. 25GB "
+                             "(default 25 GB/s: a 200 Gb/s NIC)")
+    parser.add_argument("--reduce-gradients-on", choices=("auto", "host", "device"), default=None,
+                        help="data parallel: average gradients on the GPUs (NCCL) or on the host (gloo); "
+                             "default auto: the faster")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -87,14 +90,16 @@ def run(args: argparse.Namespace) -> int:
         nodes = args.nodes if args.nodes is not None else 1
         if gpus < 1 or nodes < 1:
             return usage_error("--gpus and --nodes must be >= 1")
-        data_parallel = {"gpus": gpus, "nodes": nodes, "shard_optimizer": not args.no_shard_optimizer}
+        data_parallel = {"gpus": gpus, "nodes": nodes, "shard_optimizer": not args.no_shard_optimizer,
+                         "reduce_gradients_on": args.reduce_gradients_on or "auto"}
         if args.nic_bandwidth is not None:
             try:
                 data_parallel["nic_bandwidth"] = parse_bytes(args.nic_bandwidth, "--nic-bandwidth")
             except OptionsError as e:
                 return usage_error(str(e))
-    elif args.no_shard_optimizer or args.nic_bandwidth is not None:
-        return usage_error("--no-shard-optimizer and --nic-bandwidth describe data parallel: add --gpus N")
+    elif args.no_shard_optimizer or args.nic_bandwidth is not None or args.reduce_gradients_on is not None:
+        return usage_error("--no-shard-optimizer, --nic-bandwidth and --reduce-gradients-on describe data "
+                           "parallel: add --gpus N")
     if args.traced_layers < 2 or args.seq_multiple < 1:
         return usage_error("--traced-layers must be >= 2 and --seq-multiple >= 1")
     try:

@@ -363,6 +363,7 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
             "seconds": timings,
         },
         scale_out=(scale_out(plan, trace, profile, num_params=num_params, num_layers=num_layers,
-                             tokens_per_gpu=tokens, **data_parallel) if data_parallel is not None else None),
+                             tokens_per_gpu=tokens, device_grad_bytes_per_param=2 if precision == "bf16" else 4,
+                             **data_parallel) if data_parallel is not None else None),
         depth_plan=plan, trace=trace,
     )

@@ -5,50 +5,58 @@ changes is what the ranks share. The model is first-order, each term stated in t
 
 - the host<->device link: each GPU has its own (the profile's bandwidth per direction);
 - host memory bandwidth, shared by a node's GPUs: every GPU's loads and gradient copies
-  cross it, and so do the gradient all-reduce's buffers (gloo on the host: the flatten, and
+  cross it, and so do the buffers of a gradient all-reduce on the host (the flatten, and
   each byte a rank sends is read, received, reduced and written: 4 bytes of traffic);
 - the host optimizer: sharded, a node updates 1/M of the model whatever its GPU count (the
   ranks' shards at the node's memory bandwidth: the one-GPU time / M); unsharded, every rank
   updates all of it (N x the one-GPU time on the shared bandwidth);
 - the gradient all-reduce: a ring over the ranks, 2 (R-1)/R of the gradient bytes per rank,
-  over loopback TCP within a node and the node's NIC between nodes (gloo uses TCP, one
-  interface per node); it runs layer by layer during the backward, so only what outlasts the
-  backward (at least the last layer's share) is exposed;
+  on the GPUs before the copies (NCCL: NVLink within a node, RDMA over the NIC between nodes)
+  or on the host after them (gloo: loopback TCP within a node, the NIC between nodes),
+  whichever ``megacompile.plan.gradient_reduction`` finds faster, as the runtime chooses; it
+  runs layer by layer during the backward, so only what outlasts the backward (at least the
+  last layer's share) is exposed;
 - across nodes the parameters are not shared: owners broadcast their updates over the NIC.
 """
 from __future__ import annotations
 
 from megacompile.cli.plan_command.full_depth import DepthPlan, optimizer_exposed_seconds
 from megacompile.core.units import format_bytes
+from megacompile.plan.gradient_reduction import (
+    DEFAULT_NIC_BANDWIDTH,
+    LOOPBACK_BANDWIDTH,
+    NVLINK_BUS_BANDWIDTH,
+    PCIE_PEER_BANDWIDTH,
+    choose_reduction,
+    ring_bytes,
+)
 from megacompile.plan.hardware import GB, HardwareProfile
-
-# gloo over loopback TCP between two processes of one host, per rank (a few GB/s per
-# connection on a modern server; replace with a measurement where it matters).
-LOOPBACK_BANDWIDTH = 10 * GB
-# One 200 Gb/s Ethernet NIC per node as TCP achieves it (gloo does not use RDMA).
-DEFAULT_NIC_BANDWIDTH = 25 * GB
-# Host memory traffic per byte a rank sends in the all-reduce: read to send, written on receipt,
-# both read again by the reduction's add and its result written.
-ALLREDUCE_TRAFFIC_PER_BYTE = 4
 
 
 def scale_out(plan: DepthPlan, trace, profile: HardwareProfile, *, gpus: int, nodes: int, num_params: int,
               num_layers: int, tokens_per_gpu: int, shard_optimizer: bool = True,
-              nic_bandwidth: float = DEFAULT_NIC_BANDWIDTH) -> dict:
-    """The ``scale_out`` object of the ``--json`` result (see the module docstring)."""
+              nic_bandwidth: float = DEFAULT_NIC_BANDWIDTH, device_grad_bytes_per_param: int = 4,
+              reduce_gradients_on: str = "auto") -> dict:
+    """The ``scale_out`` object of the ``--json`` result (see the module docstring).
+    ``device_grad_bytes_per_param``: 2 where the device computes bf16 gradients."""
     ranks = gpus * nodes
-    grad_bytes = 4 * num_params  # fp32 gradients reduced on the host, in either precision
+    grad_bytes = 4 * num_params  # fp32 gradients as the host reduces them, in either precision
     weight_bytes = 4 * num_params
-    ring = 2 * (ranks - 1) / ranks * grad_bytes  # bytes each rank sends (and receives)
-    comm_bandwidth = min(nic_bandwidth, LOOPBACK_BANDWIDTH) if nodes > 1 else LOOPBACK_BANDWIDTH
-    allreduce_s = ring / comm_bandwidth if ranks > 1 else 0.0
+    nvlink = "pcie" not in profile.name
+    choice = choose_reduction(grad_bytes, device_grad_bytes_per_param * num_params, ranks, nodes,
+                              device_collectives="nccl", nvlink=nvlink, nic_bandwidth=nic_bandwidth)
+    on_device = choice.on == "device" if reduce_gradients_on == "auto" else reduce_gradients_on == "device"
+    ring = ring_bytes(device_grad_bytes_per_param * num_params if on_device else grad_bytes, ranks)
+    allreduce_s = choice.device_seconds if on_device else choice.host_seconds
+    reduction_why = choice.why if reduce_gradients_on == "auto" else f"reduce_gradients_on='{reduce_gradients_on}'"
     # Sharded across nodes: each node receives the other nodes' updated parameters, once per rank.
     broadcast_bytes = gpus * (nodes - 1) / nodes * weight_bytes if shard_optimizer and nodes > 1 else 0
     broadcast_s = broadcast_bytes / nic_bandwidth if broadcast_bytes else 0.0
 
     host_traffic = gpus * (plan.h2d_bytes + plan.d2h_bytes)
-    if ranks > 1:
-        host_traffic += gpus * (2 * grad_bytes + ALLREDUCE_TRAFFIC_PER_BYTE * ring)
+    if ranks > 1 and not on_device:
+        host_traffic += gpus * choose_reduction(grad_bytes, grad_bytes, ranks, nodes,
+                                                device_collectives=None).host_memory_bytes
     host_memory_s = host_traffic / profile.host_memory_bandwidth
     device_s = max(plan.device_s, host_memory_s)
 
@@ -85,13 +93,18 @@ def scale_out(plan: DepthPlan, trace, profile: HardwareProfile, *, gpus: int, no
                     "communication_exposed": comm_exposed},
         "host_memory_traffic_bytes_per_node": host_traffic,
         "allreduce_bytes_per_rank": ring,
+        "gradients_reduced_on": "device" if on_device else "host",
         "host_memory_per_node_bytes": {**node_memory, "total": sum(node_memory.values())},
         "assumptions": {
             "link": f"each GPU has its own host link ({profile.h2d_bandwidth / GB:.0f} GB/s per direction)",
             "host_memory_bandwidth": f"{profile.host_memory_bandwidth / GB:.0f} GB/s per node, shared by its GPUs' "
                                      f"copies, the all-reduce buffers and the optimizer",
-            "allreduce": f"gloo ring on the host: loopback TCP {LOOPBACK_BANDWIDTH / GB:.0f} GB/s per rank"
-                         + (f", NIC {nic_bandwidth / GB:.0f} GB/s per node between nodes" if nodes > 1 else ""),
+            "allreduce": (f"NCCL ring on the GPUs: {'NVLink' if nvlink else 'PCIe'} "
+                          f"{(NVLINK_BUS_BANDWIDTH if nvlink else PCIE_PEER_BANDWIDTH) / GB:.0f} GB/s bus bandwidth"
+                          if on_device else
+                          f"gloo ring on the host: loopback TCP {LOOPBACK_BANDWIDTH / GB:.0f} GB/s per rank")
+                         + (f", NIC {nic_bandwidth / GB:.0f} GB/s per node between nodes" if nodes > 1 else "")
+                         + f" ({reduction_why})",
             "optimizer": ("sharded: each node updates 1/nodes of the model" if shard_optimizer
                           else "not sharded: every rank updates the whole model"),
             "parameters": ("one shared copy per node" if shared_weights else "a copy per rank"),
