@@ -1,14 +1,15 @@
 """Which bf16 numerics megatrain's precision="bf16" gives on a GPU, beside eager autocast's.
 
-megatrain traces the step on host tensors under ``torch.autocast("cpu", bfloat16)``: autocast's
-CPU op lists decide which ops run in bf16, whatever device then runs the program
-(megacompile/backend.py). Eager training on a GPU uses ``torch.autocast("cuda")``, whose lists
-differ (more ops forced to fp32, e.g. softmax, layer_norm, pow), and cuBLAS may reduce bf16
-GEMMs in reduced precision (``allow_bf16_reduced_precision_reduction``, on by default).
-For each reference model this prints the first-step loss (same weights, same batch) of:
-fp32 eager on the GPU, eager CPU autocast, eager CUDA autocast (with and without reduced
-precision reductions), and megatrain bf16 on the GPU (eager lowering), each with its
-relative distance from megatrain's and from fp32's.
+megatrain traces the step on host tensors under ``torch.autocast("cpu", bfloat16)``, following
+the op lists of the device that runs it (option ``autocast_lists``, core/autocast_lists.py):
+on CUDA, CUDA autocast's (more ops forced to fp32 than CPU's, e.g. softmax, layer_norm, pow).
+Eager training on a GPU uses ``torch.autocast("cuda")``, and cuBLAS may reduce bf16 GEMMs in
+reduced precision (``allow_bf16_reduced_precision_reduction``, on by default). For each
+reference model this prints the first-step loss (same weights, same batch) of: fp32 eager on
+the GPU, eager CPU autocast, eager CPU autocast following CUDA's lists, eager CUDA autocast
+(with and without reduced precision reductions), and megatrain bf16 on the GPU (eager
+lowering) with CUDA's lists (the default) and with CPU's, each with its relative distance
+from megatrain's and from fp32's.
 
     python benchmarks/bf16_autocast_policy.py [--out FILE]   (default benchmarks/results/bf16_autocast_policy-<date>-cuda.txt)
 """
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes  # noqa: E402
 
 import megacompile  # noqa: E402,F401
+from megacompile.core.autocast_lists import cuda_autocast_lists  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import write_result  # noqa: E402
@@ -49,18 +51,21 @@ def main() -> int:
         torch.manual_seed(0)
         model = ctor()
         row = {"fp32 (cuda)": first_loss(model, make_batch, loss_fn, "cuda", None),
-               "cpu autocast (cpu)": first_loss(model, make_batch, loss_fn, "cpu", "cpu"),
-               "cuda autocast (cuda)": first_loss(model, make_batch, loss_fn, "cuda", "cuda")}
+               "cpu autocast (cpu)": first_loss(model, make_batch, loss_fn, "cpu", "cpu")}
+        with cuda_autocast_lists():
+            row["cpu autocast, cuda lists (cpu)"] = first_loss(model, make_batch, loss_fn, "cpu", "cpu")
+        row["cuda autocast (cuda)"] = first_loss(model, make_batch, loss_fn, "cuda", "cuda")
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         row["cuda autocast, no reduced-precision reduction"] = first_loss(model, make_batch, loss_fn, "cuda", "cuda")
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-        ours = copy.deepcopy(model)
-        step, _ = make_training_step(ours, loss_fn)
-        step = torch.compile(step, backend="megatrain", options={
-            "device": "cuda", "lowering": "eager", "precision": "bf16",
-            "memory_budget": training_state_bytes(model) // 4})
-        row["megatrain bf16 (cuda)"] = float(step(*make_batch(torch.Generator().manual_seed(1))))
-        torch._dynamo.reset()
+        for label, lists in (("megatrain bf16 (cuda)", "device"), ("megatrain bf16, cpu lists (cuda)", "cpu")):
+            ours = copy.deepcopy(model)
+            step, _ = make_training_step(ours, loss_fn)
+            step = torch.compile(step, backend="megatrain", options={
+                "device": "cuda", "lowering": "eager", "precision": "bf16", "autocast_lists": lists,
+                "memory_budget": training_state_bytes(model) // 4})
+            row[label] = float(step(*make_batch(torch.Generator().manual_seed(1))))
+            torch._dynamo.reset()
         mt, fp = row["megatrain bf16 (cuda)"], row["fp32 (cuda)"]
         lines.append(f"{name}:")
         for k, v in row.items():

@@ -7,12 +7,14 @@
 # "first" (default, about 9 minutes on an H100; give the device call timeout_s 600):
 #   1. tests/test_cuda.py: the CUDA path after the changes made without a GPU (loads allocated on
 #      the compute stream, merge_compute_runs, offload arenas, weight copies);
-#   2. benchmarks/host_thread_ops.py on CUDA: ops run one by one and the host thread's busy share,
+#   2. benchmarks/bf16_autocast_policy.py: first losses under CUDA's autocast lists (issue 17, item 2);
+#      benchmarks/host_thread_ops.py on CUDA: ops run one by one and the host thread's busy share,
 #      merge_compute_runs on and off;
 #   3. benchmarks/peers.py, megatrain alone, 8 of 32 Llama-2-7B layers, 8 x 4096 tokens, 60 GiB:
 #      step time, TFLOPS, reserved / budget (target <= 1.05), host thread busy, RSS.
-# "second" (about 9 minutes): the 32-layer Llama-2-7B step with megatrain alone (issue 17's
-#   target shape) and the long-context run at 131,072 tokens (issue 19).
+# "second" (about 9.5 minutes): the 32-layer Llama-2-7B step with megatrain alone (issue 17's
+#   target shape), the data-parallel path's overhead at world size 1 (issue 21, item 5) and the
+#   long-context run at 131,072 tokens (issue 19).
 # "peers" (about 10 minutes): the other systems of benchmarks/peers.py at 8 layers, on the machine
 #   that ran "first" (merge the two files with peers.py --merge-into). It needs
 #   the peers' code carried beside the checkout (not in the repo): DeepSpeed and its needs as
@@ -37,6 +39,7 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, n
 nvidia-smi -L
 if [ "$part" = first ]; then
     step test_cuda 280 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -x
+    step bf16_autocast_policy 50 "$PY" benchmarks/bf16_autocast_policy.py --out "$OUT/bf16_autocast_policy.txt"
     step host_thread_ops 90 "$PY" benchmarks/host_thread_ops.py --device cuda --layers 4 --hidden 1024 \
         --seq 1024 --batch 4 --budget-fractions 1.0 0.45 --out "$OUT/host_thread_ops.txt"
     step peers_8_layers 170 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
@@ -51,6 +54,8 @@ else
     step peers_32_layers 330 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 --batch 8 \
         --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 320 --out-dir "$OUT" --tag megatrain-32layers
+    step data_parallel_overhead 50 "$PY" benchmarks/data_parallel_overhead.py --device cuda --steps 15 \
+        --out "$OUT/data_parallel_overhead.txt"
     step long_context 200 "$PY" benchmarks/long_context.py --device cuda --seq 131072 --budget 60GiB --steps 2 \
         --out "$OUT/long_context.txt"
 fi

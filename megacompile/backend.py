@@ -24,6 +24,7 @@ from megacompile.capture.inline_regions import inline_nested_regions
 from megacompile.capture.records import CompiledGraph
 from megacompile.capture.training_compiler import TrainingCompiler, lower_with
 from megacompile.core import torch_compat as compat
+from megacompile.core.autocast_lists import autocast_lists_for
 from megacompile.core.collector import cycle_collector_paused
 from megacompile.core.errors import BudgetError, PlacementError, UnsupportedGraph
 from megacompile.core.node_info import source_to_name
@@ -168,15 +169,17 @@ def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, n
     device = get_device(opts.device)
     device.pinned.limit(opts.pinned_host_memory)
     if opts.autocast_dtype is not None:
-        # Traced on host tensors (the parameters live there), so autocast's CPU op lists
-        # decide which ops run in bf16, whatever device runs the program.
+        # Traced on host tensors (the parameters live there) under CPU autocast, which follows
+        # the op lists of the device that runs the program (core/autocast_lists.py) while
+        # AOTAutograd traces it below.
         compat.wrap_in_autocast(gm, "cpu", opts.autocast_dtype)
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
     compiler.captured_snapshots = captured.snapshots
     log.info("%s: compiling a graph of %d nodes (%d parameters) for %s; capturing it with AOTAutograd",
              compiler.record.label, len(gm.graph.nodes), roles.count("param"), opts.device)
     try:
-        with compat.invoke_subgraph_schema_memo(), cycle_collector_paused():
+        lists = autocast_lists_for(opts.traced_autocast_lists if opts.autocast_dtype is not None else "cpu")
+        with compat.invoke_subgraph_schema_memo(), cycle_collector_paused(), lists:
             compiled = compat.aot_module_simplified(
                 gm, example_inputs,
                 fw_compiler=compiler.compile_forward,

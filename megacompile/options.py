@@ -77,6 +77,11 @@ class Options:
     # the step does not fit memory_budget without it; then the planner picks the fewest chunks
     # whose plan fits. An int: every run is chunked into that many chunks.
     token_chunks: int | str = "auto"
+    # Under precision="bf16": whose autocast op lists decide which ops run in bf16 and which
+    # in fp32 (core/autocast_lists.py). "device": those of the device the program runs on
+    # (CUDA's on "cuda", so a step computes what torch.autocast("cuda") computes; CPU's on the
+    # stand-in); "cuda" or "cpu": those, on any device (the stand-in with CUDA's numerics).
+    autocast_lists: str = "device"
 
     def fused_head_chunk_tokens(self, vocab: int) -> int:
         if self.head_chunk_tokens != "auto":
@@ -104,6 +109,13 @@ class Options:
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype the graphs are traced under ``torch.autocast`` with (None: no autocast)."""
         return torch.bfloat16 if self.precision == "bf16" else None
+
+    @property
+    def traced_autocast_lists(self) -> str:
+        """"cuda" or "cpu": the autocast op lists the step is traced with."""
+        if self.autocast_lists == "device":
+            return "cuda" if self.device == "cuda" else "cpu"
+        return self.autocast_lists
 
     def hardware_profile(self) -> str:
         if self.hardware is not None:
@@ -151,6 +163,8 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         kw["pinned_host_memory"] = 0 if pin_nothing else parse_bytes(cap, "pinned_host_memory")
     if "precision" in raw:
         kw["precision"] = _choice("precision", raw["precision"], PRECISIONS)
+    if "autocast_lists" in raw:
+        kw["autocast_lists"] = _choice("autocast_lists", raw["autocast_lists"], ("device", "cuda", "cpu"))
     if "lowering" in raw:
         kw["lowering"] = _choice("lowering", raw["lowering"], LOWERINGS)
     if "prefetch_depth" in raw:

@@ -252,7 +252,8 @@ def _replace(gm: fx.GraphModule, nodes: list[fx.Node], cls: _Classifier, operand
     names = [getattr(n.target, "__name__", str(n.target)) for n in nodes if cls.kind.get(n) != _IDENTITY]
     key = token_chunks.register_body(token_chunks.ChunkBody(
         graph=fx.GraphModule(torch.nn.Module(), body), num_token_inputs=len(token_in),
-        out_lead=[tuple(_val(n).shape[:-1]) for n in outputs], autocast=options.autocast_dtype, ops=names))
+        out_lead=[tuple(_val(n).shape[:-1]) for n in outputs], autocast=options.autocast_dtype, ops=names,
+        autocast_lists=options.traced_autocast_lists))
     chunks = 1 if options.token_chunks == PLANNER_CHOOSES else int(options.token_chunks)
     graph = gm.graph
     anchor = min((u for n in outputs for u in n.users if u not in members), key=order.__getitem__)

@@ -19,6 +19,7 @@ the same tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from typing import Optional
@@ -29,6 +30,7 @@ from torch.utils import flop_counter
 
 from megacompile.core import torch_compat as compat
 from megacompile.core import workspace
+from megacompile.core.autocast_lists import autocast_lists_for
 
 
 @dataclasses.dataclass
@@ -40,6 +42,8 @@ class ChunkBody:
     out_lead: list  # each output's leading (token) shape in the step's graph
     autocast: Optional[torch.dtype]  # the run's ops ran under torch.autocast(cpu, this dtype)
     ops: list  # the replaced ops' names, for NodeInfo / inspect
+    # Whose autocast op lists the run follows ("cuda": core/autocast_lists.py; "cpu": CPU's own).
+    autocast_lists: str = "cpu"
 
     def describe(self) -> str:
         return f"{len(self.ops)} ops ({', '.join(self.ops[:6])}{', ...' if len(self.ops) > 6 else ''})"
@@ -77,8 +81,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+@contextlib.contextmanager
 def _autocast(body: ChunkBody):
-    return torch.autocast("cpu", dtype=body.autocast, enabled=body.autocast is not None)
+    with autocast_lists_for(body.autocast_lists if body.autocast is not None else "cpu"), \
+            torch.autocast("cpu", dtype=body.autocast, enabled=body.autocast is not None):
+        yield
 
 
 # --- the traced slice programs ---------------------------------------------------------
@@ -109,7 +116,7 @@ def _structure(key: str):
             index[node] = i
             rows.append((node.op, node.target, repr(fx.node.map_aggregate((node.args, node.kwargs), position))))
         shareable = all(n.op != "get_attr" for n in index) and not any(isinstance(a, torch.Tensor) for a in constants)
-        found = (tuple(rows), body.num_token_inputs, body.autocast) if shareable else key
+        found = (tuple(rows), body.num_token_inputs, body.autocast, body.autocast_lists) if shareable else key
         _STRUCTURES[key] = found
     return found
 

@@ -505,3 +505,16 @@ def profile_all_threads_config() -> Any:
     did not start (megatrain's host optimizer worker); without it only the thread that
     entered the profiler is recorded."""
     return torch.profiler._ExperimentalConfig(profile_all_threads=True)
+
+
+# --- the dispatcher (core/autocast_lists.py) ----------------------------------------------
+def ops_with_kernel_for(dispatch_key: str) -> set[str]:
+    """Qualified names (``aten::mm``, ``aten::pow.Scalar``) of the ops with a kernel of their own
+    at ``dispatch_key`` (e.g. ``AutocastCPU``: the ops CPU autocast lists), fallbacks excluded."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return {name for name in torch._C._dispatch_get_all_op_names() if has(name, dispatch_key)}
+
+
+def destroy_library(library) -> None:
+    """Unregisters every kernel a ``torch.library.Library`` registered."""
+    library._destroy()

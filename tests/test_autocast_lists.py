@@ -1,0 +1,166 @@
+"""core/autocast_lists.py: tracing on host tensors with CUDA autocast's op lists.
+
+The table of policies is checked two ways against this torch build: it names exactly the ops
+CUDA autocast registers kernels for, and for each kind of op the emulation (CPU autocast
+under ``cuda_autocast_lists()``) gives the dtypes CUDA autocast's own kernels give when run on
+fake CUDA tensors (no GPU needed: the kernels are in every build; fake tensors allocate
+nothing). Then a bf16 GPT trained by megatrain with ``autocast_lists="cuda"`` is bitwise equal
+to eager under the same lists (and differs from CPU's lists: its softmax runs in fp32).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference_models import REFERENCE_MODELS, make_training_step
+from test_bf16 import _megatrain_optimizer_arithmetic
+
+from megacompile.core import torch_compat as compat
+from megacompile.core.autocast_lists import CUDA_POLICIES, cuda_autocast_lists
+
+
+def _b(dev, *shape):
+    return torch.ones(*shape, device=dev, dtype=torch.bfloat16)
+
+
+def _f(dev, *shape):
+    return torch.ones(*shape, device=dev)
+
+
+def _long(dev, n):
+    return torch.zeros(n, dtype=torch.long, device=dev)
+
+
+# name -> a call on tensors made on the given device: every policy, the ops the two lists
+# treat differently (both ways), and ops neither lists.
+CASES = {
+    "softmax": lambda d: torch.softmax(_b(d, 4, 8), -1),
+    "log_softmax": lambda d: F.log_softmax(_b(d, 4, 8), -1),
+    "exp": lambda d: torch.exp(_b(d, 4)),
+    "log": lambda d: torch.log(_b(d, 4)),
+    "rsqrt": lambda d: torch.rsqrt(_b(d, 4)),
+    "pow_scalar_exponent": lambda d: torch.pow(_b(d, 4), 2),
+    "pow_tensors": lambda d: torch.pow(_b(d, 4), _b(d, 4)),
+    "pow_scalar_base": lambda d: torch.pow(2, _b(d, 4)),
+    "sum": lambda d: torch.sum(_b(d, 4, 8)),
+    "sum_dim": lambda d: torch.sum(_b(d, 4, 8), dim=0),
+    "sum_explicit_dtype": lambda d: torch.sum(_b(d, 4, 8), dtype=torch.bfloat16),
+    "cumsum": lambda d: torch.cumsum(_b(d, 4, 8), 0),
+    "prod": lambda d: torch.prod(_b(d, 4)),
+    "prod_dim": lambda d: torch.prod(_b(d, 4, 8), 0),
+    "layer_norm": lambda d: F.layer_norm(_b(d, 4, 8), (8,)),
+    "group_norm": lambda d: F.group_norm(_b(d, 2, 4, 8), 2),
+    "rms_norm": lambda d: F.rms_norm(_b(d, 4, 8), (8,)),
+    "logsumexp": lambda d: torch.logsumexp(_b(d, 4, 8), 0),
+    "softplus": lambda d: F.softplus(_b(d, 4)),
+    "cosine_similarity": lambda d: F.cosine_similarity(_b(d, 4, 8), _b(d, 4, 8)),
+    "vector_norm": lambda d: torch.linalg.vector_norm(_b(d, 4, 8)),
+    "norm": lambda d: torch.norm(_b(d, 4, 8), 2, 0),
+    "mse_loss": lambda d: F.mse_loss(_b(d, 4), _b(d, 4)),
+    "cross_entropy": lambda d: F.cross_entropy(_b(d, 4, 8), _long(d, 4)),
+    "mm": lambda d: torch.mm(_f(d, 4, 8), _f(d, 8, 4)),
+    "mv": lambda d: torch.mv(_f(d, 4, 8), _f(d, 8)),
+    "addmv": lambda d: torch.addmv(_f(d, 4), _f(d, 4, 8), _f(d, 8)),
+    "addr": lambda d: torch.addr(_f(d, 4, 8), _f(d, 4), _f(d, 8)),
+    "einsum": lambda d: torch.einsum("ij,jk->ik", _f(d, 4, 8), _f(d, 8, 4)),
+    "matmul": lambda d: torch.matmul(_f(d, 4, 8), _f(d, 8, 4)),
+    "linear": lambda d: F.linear(_f(d, 4, 8), _f(d, 3, 8), _f(d, 3)),
+    "bmm": lambda d: torch.bmm(_f(d, 2, 4, 8), _f(d, 2, 8, 4)),
+    "multi_dot": lambda d: torch.linalg.multi_dot([_f(d, 4, 8), _f(d, 8, 4), _f(d, 4, 2)]),
+    "sdpa": lambda d: F.scaled_dot_product_attention(_f(d, 1, 2, 4, 8), _f(d, 1, 2, 4, 8), _f(d, 1, 2, 4, 8)),
+    "addcmul": lambda d: torch.addcmul(_f(d, 4), _b(d, 4), _b(d, 4)),
+    "atan2": lambda d: torch.atan2(_b(d, 4), _f(d, 4)),
+    "dot": lambda d: torch.dot(_b(d, 4), _f(d, 4)),
+    "scatter_add": lambda d: torch.scatter_add(_f(d, 4), 0, _long(d, 4), _b(d, 4)),
+    "trace": lambda d: torch.trace(_b(d, 4, 4)),
+    "stack": lambda d: torch.stack([_b(d, 4), _b(d, 4)]),
+    "binary_cross_entropy": lambda d: F.binary_cross_entropy(_f(d, 4).sigmoid(), _f(d, 4)),
+    "silu": lambda d: F.silu(_b(d, 4)),
+    "tanh": lambda d: torch.tanh(_b(d, 4)),
+}
+
+
+def _dtypes(call, device: str):
+    try:
+        out = call(device)
+    except RuntimeError:
+        return "raises"
+    return [t.dtype for t in (out if isinstance(out, (tuple, list)) else [out])]
+
+
+def _under_cuda_autocast(call):
+    """What CUDA autocast's own kernels make of ``call`` (on fake CUDA tensors)."""
+    with compat.FakeTensorMode():
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", torch.bfloat16)
+        try:
+            return _dtypes(call, "cuda")
+        finally:
+            torch.set_autocast_enabled("cuda", False)
+
+
+def test_the_table_names_every_op_cuda_autocast_lists():
+    listed = {f"aten::{op}" for op in CUDA_POLICIES}
+    assert listed == compat.ops_with_kernel_for("AutocastCUDA")
+
+
+def test_each_policy_does_what_cuda_autocast_does():
+    differs_from_cpu = []
+    for name, call in CASES.items():
+        want = _under_cuda_autocast(call)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cpu = _dtypes(call, "cpu")
+            with cuda_autocast_lists():
+                got = _dtypes(call, "cpu")
+        assert got == want, (name, got, want)
+        if cpu != want:
+            differs_from_cpu.append(name)
+    # The cases CPU autocast alone gets wrong, both ways: fp32 on CUDA (softmax, norms, exp,
+    # sums), bf16 on CUDA (mv, addmv, addr; trace, which only CPU casts), refused on CUDA (bce).
+    assert {"softmax", "log_softmax", "layer_norm", "exp", "sum", "cumsum", "mv", "addr", "trace",
+            "binary_cross_entropy"} <= set(differs_from_cpu), differs_from_cpu
+
+
+def test_cpu_autocast_is_itself_again_outside():
+    with cuda_autocast_lists(), cuda_autocast_lists():  # re-entrant
+        pass
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.softmax(_b("cpu", 4), -1).dtype == torch.bfloat16
+        assert torch.mv(_f("cpu", 4, 8), _f("cpu", 8)).dtype == torch.float32
+
+
+def test_megatrain_trains_with_cuda_lists_like_eager_under_them():
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]  # softmax over bf16 scores
+    torch.manual_seed(0)
+    model = ctor()
+    reference, cpu_lists = copy.deepcopy(model), copy.deepcopy(model)
+    step, _ = make_training_step(model, loss_fn)
+    compiled = torch.compile(step, backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "precision": "bf16", "autocast_lists": "cuda",
+        "overlap_optimizer": True, "disable_passes": ["fuse_lm_head"]})
+    ref_step, ref_opt = make_training_step(reference, loss_fn)
+    cpu_step, cpu_opt = make_training_step(cpu_lists, loss_fn)
+    _megatrain_optimizer_arithmetic(ref_opt)
+    _megatrain_optimizer_arithmetic(cpu_opt)
+    gen = torch.Generator().manual_seed(1)
+    differs = 0
+    for i in range(3):
+        x, y = make_batch(gen)
+        got = compiled(x, y)
+        with cuda_autocast_lists(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = ref_step(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            differs += cpu_step(x, y).item() != want.item()
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"step {i}: {m}")
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert differs == 3  # the lists mattered: CPU's run the softmax in bf16
+
+
+def test_bad_autocast_lists_option_says_what_to_use():
+    from megacompile.options import OptionsError, parse_options
+
+    with pytest.raises(OptionsError, match="'device', 'cuda', 'cpu'"):
+        parse_options({"autocast_lists": "rocm"})
+    assert parse_options({"device": "cpu"}).traced_autocast_lists == "cpu"
+    assert parse_options({"device": "cpu", "autocast_lists": "cuda"}).traced_autocast_lists == "cuda"
