@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megacompile.core.errors import DataParallelError
-from megacompile.runtime.gradient_sink import GradientSink
+from megacompile.runtime.gradient_sink import DeviceWork, GradientSink
 from megacompile.runtime.shared_parameters import others_updated
 
 
@@ -198,21 +198,28 @@ class GradientReducer:
                                        reduced_on="device" if self.on_device else "host", reduced_on_why=why)
         self._lock = threading.Lock()
 
-    def reduce_on_device(self, value: torch.Tensor, layer: str | None) -> Callable[[], None] | None:
+    def reduce_on_device(self, value: torch.Tensor, layer: str | None, owner: int | None = None) -> DeviceWork | None:
         """Starts the average of a gradient still on the device, in place, over the device
-        group (called on the program's thread, in program order). Returns what its copy to the
-        host must call first (in the copy's stream context: on CUDA the copy stream waits for
-        the collective, the host thread does not), or None where ``value``'s memory is not one
-        dense block (its copy then lands as it is and the host path averages it)."""
+        group (called on the program's thread, in program order): to every rank, or only to
+        the group rank ``owner`` (a sharded optimizer's owner: the other ranks then copy
+        nothing). Returns the work: its ``after`` is what the copy to the host calls first (in
+        the copy's stream context: on CUDA the copy stream waits for the collective, the host
+        thread does not). None where ``value``'s memory is not one dense block (its copy then
+        lands as it is and the host path averages it)."""
         flat = _dense_flat(value)
         if flat is None:
             return None
         # NCCL averages inside the collective; gloo has no AVG: the sum is divided after it.
         average = value.is_cuda and self.group.device_backend == "nccl"
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-        what = f"the gradient all-reduce of layer {layer or '(glue)'} on the device"
+        mine = owner is None or owner == self.group.rank
+        what = f"the gradient {'all-' if owner is None else ''}reduce of layer {layer or '(glue)'} on the device"
         try:
-            work = dist.all_reduce(flat, op=op, group=self.group.device_group, async_op=True)
+            if owner is None:
+                work = dist.all_reduce(flat, op=op, group=self.group.device_group, async_op=True)
+            else:
+                work = dist.reduce(flat, dst=dist.get_global_rank(self.group.device_group, owner), op=op,
+                                   group=self.group.device_group, async_op=True)
         except Exception as e:
             raise collective_failed(what, self.group, e) from e
         with self._lock:
@@ -220,11 +227,15 @@ class GradientReducer:
             self.stats.device_reduced_bytes += value.numel() * value.element_size()
 
         def after() -> None:
+            if not mine and value.is_cuda:
+                # Nothing here reads the result: waiting would only hold this thread's stream
+                # back (NCCL's watchdog reports a failed collective).
+                return
             self.group.wait(work, what, on_stream=value.is_cuda)
-            if not average:
+            if mine and not average:
                 flat.div_(self.group.world_size)
 
-        return after
+        return DeviceWork(after, copy=mine)
 
     def submit(self, layer: str | None, items: list[tuple[torch.Tensor, torch.Tensor, Callable | None]]) -> Bucket:
         """``items``: (parameter, landed gradient, ``ready`` or None). The parameter's current
@@ -305,10 +316,11 @@ class ReducingSink(GradientSink):
     def before_offload(self, position: int, value: torch.Tensor, layer: str | None):
         if not self.reducer.on_device:
             return None
-        after = self.reducer.reduce_on_device(value, layer)
-        if after is not None:
+        # To every rank: clipping, accumulation and step() read every param.grad here.
+        work = self.reducer.reduce_on_device(value, layer)
+        if work is not None:
             self._on_device.add(position)
-        return after
+        return work
 
     def take(self, position: int, host_grad: torch.Tensor, layer: str | None, ready=None) -> None:
         if position in self._on_device:

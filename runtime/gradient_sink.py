@@ -13,9 +13,22 @@ widens it exactly), and the program returns None for those.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
+
+
+@dataclasses.dataclass
+class DeviceWork:
+    """What a sink started on a gradient still on the device (``GradientSink.before_offload``)."""
+
+    # Called before the copy is issued, in the copy's stream context (or by the sink itself
+    # where there is no copy): orders what follows after the work.
+    after: Callable[[], None]
+    # False: this host does not need the value (it went to another rank): no copy is made and
+    # the sink hears of it through ``not_copied``.
+    copy: bool = True
 
 
 class GradientSink:
@@ -28,12 +41,17 @@ class GradientSink:
         sink)."""
         return False
 
-    def before_offload(self, position: int, value: torch.Tensor, layer: str | None) -> Callable[[], None] | None:
+    def before_offload(self, position: int, value: torch.Tensor, layer: str | None) -> DeviceWork | None:
         """An ``owns`` position's value, still on the device, just before the program copies
         it to the host (only where nothing else reads its memory after the copy): the sink may
-        start work on it in place (data parallel: its all-reduce). Returns what the copy must
-        call first, in the copy's stream context, or None."""
+        start work on it in place (data parallel: its all-reduce, or its reduce to the rank
+        that updates it). Returns that work, or None."""
         return None
+
+    def not_copied(self, position: int, layer: str | None, after: Callable[[], None]) -> None:
+        """A ``before_offload`` position whose work said no copy: the program returns None
+        there; ``after`` must still be called (it surfaces the work's failure)."""
+        raise NotImplementedError(f"{type(self).__name__} declined the copy of position {position} but takes no notice")
 
     def take(self, position: int, host_grad: torch.Tensor, layer: str | None,
              ready: Callable[[], None] | None = None) -> None:

@@ -304,7 +304,11 @@ class Offload(Instruction):
         device = call.device
         value = call.env[self.source]
         taken = self.returns is not None and call.sink.owns(self.returns)
-        after = call.sink.before_offload(self.returns, value, self.layer) if taken and self.sole_reader else None
+        work = call.sink.before_offload(self.returns, value, self.layer) if taken and self.sole_reader else None
+        if work is not None and not work.copy:
+            call.sink.not_copied(self.returns, self.layer, work.after)  # another rank takes it
+            return
+        after = work.after if work is not None else None
         if call.share:
             host = device.hand_over(value, self.tag, self.layer, after=after)
         else:

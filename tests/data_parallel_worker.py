@@ -245,10 +245,21 @@ def averaged_on_the_device(rank: int, world: int) -> dict:
         ref_opt.step()
         ref_sched.step()
         ref_opt.zero_grad()
+    report = megacompile.last_report()
     out["overlapped"] = {"overlapped": overlapped, "max_diff": max_diff(model, reference),
-                         "same_on_every_rank": same_on_every_rank(model),
-                         "report": megacompile.last_report().data_parallel}
+                         "same_on_every_rank": same_on_every_rank(model), "report": report.data_parallel,
+                         "d2h_bytes": report.d2h_bytes,
+                         "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                         "owned_bytes": sum(p.numel() * p.element_size() for p in model.parameters()
+                                            if megacompile_owner(model, p) == rank)}
     return out
+
+
+def megacompile_owner(model, p) -> int:
+    """The rank that updates ``p`` under the sharded optimizer."""
+    from megacompile.runtime.data_parallel import group_of
+
+    return group_of(model.parameters()).owner_of(p)
 
 
 def rank_dies(rank: int, world: int, compiled) -> dict:

@@ -98,12 +98,16 @@ def test_gradients_averaged_on_the_device_match_the_global_batch(two_ranks):
         assert not reports[4]["synced"]
         assert reports[5]["reduced_on"] == "host" and reports[5]["buckets"] == 4, reports[5]
         assert reports[5]["device_reductions"] == 0 and "no_sync" in reports[5]["reduced_on_why"]
-        # The overlapped, sharded optimizer updates from averages the device made.
+        # The overlapped, sharded optimizer updates from averages the device made, each
+        # reduced to the rank that updates it: a rank copies only its own half of the
+        # gradients to the host (plus the 4-byte loss).
         o = r["overlapped"]
         assert o["overlapped"] == [False, True, True, True], rank
         assert o["max_diff"] <= PARAM_ATOL and o["same_on_every_rank"], (rank, o["max_diff"])
         assert o["report"]["reduced_on"] == "device" and o["report"]["device_reductions"] == 8
         assert o["report"]["buckets"] == 0
+        assert o["owned_bytes"] == o["gradient_bytes"] // 2
+        assert o["owned_bytes"] <= o["d2h_bytes"] <= o["owned_bytes"] + 4, (o["d2h_bytes"], o["owned_bytes"])
 
 
 def test_auto_averages_on_the_host_without_device_collectives(two_ranks):

@@ -15,7 +15,7 @@ from reference_models import MLP, REFERENCE_MODELS
 
 from megacompile.core import ops
 from megacompile.core.node_info import info
-from megacompile.runtime.gradient_sink import GradientSink
+from megacompile.runtime.gradient_sink import DeviceWork, GradientSink
 
 
 class TakeAll(GradientSink):
@@ -132,6 +132,7 @@ class DoubleOnDevice(TakeAll):
         super().__init__(positions)
         self.offered: list[int] = []
         self.copies_waited = 0
+        self.not_copied_positions: list[int] = []
 
     def before_offload(self, position, value, layer):
         self.offered.append(position)
@@ -139,7 +140,12 @@ class DoubleOnDevice(TakeAll):
 
         def after():
             self.copies_waited += 1
-        return after
+        # Every other gradient "goes to another rank": no copy, the sink hears of it.
+        return DeviceWork(after, copy=len(self.offered) % 2 == 1)
+
+    def not_copied(self, position, layer, after):
+        after()
+        self.not_copied_positions.append(position)
 
 
 def test_the_sink_changes_a_gradient_on_the_device_before_its_copy(bf16_mlp):
@@ -150,6 +156,9 @@ def test_the_sink_changes_a_gradient_on_the_device_before_its_copy(bf16_mlp):
     # Every gradient is offered once, still on the device: each is made by the backward and
     # read by nothing after its copy (a weight's is a transposed view of its own matmul).
     assert sorted(sink.offered) == sorted(params) and sink.copies_waited == len(params)
+    # What the sink declined is not copied (nor taken); the rest lands changed.
+    assert sink.not_copied_positions == sink.offered[1::2]
+    assert [p for p, _, _ in sink.taken] == sink.offered[0::2]
     for position, narrow, _ in sink.taken:
         assert torch.equal(narrow.float(), 2 * grads[params[position]])
     # The default sink is offered nothing and changes nothing.

@@ -65,6 +65,13 @@ def test_gradients_are_averaged_where_the_ring_is_faster():
     assert auto["parts_s"]["host_memory"] < host["parts_s"]["host_memory"]
     assert auto["step_s"] <= host["step_s"]
     assert "NCCL ring on the GPUs" in auto["assumptions"]["allreduce"]
+    # Sharded and overlapped: each gradient reduced to its owner, who alone copies it to the
+    # host: a node's host memory carries 1/8 of the GPUs' gradient copies.
+    replicated = run(8, 1, shard_optimizer=False)
+    assert auto["host_memory_traffic_bytes_per_node"] == pytest.approx(
+        replicated["host_memory_traffic_bytes_per_node"] - 8 * 4 * PARAMS * 7 / 8)
+    assert "reduced to the rank that updates it" in auto["assumptions"]["allreduce"]
+    assert "reduced to the rank" not in replicated["assumptions"]["allreduce"]
     # bf16 gradients on the device: half the bytes in the ring.
     bf16 = run(8, 1, device_grad_bytes_per_param=2)
     assert bf16["allreduce_bytes_per_rank"] == pytest.approx(auto["allreduce_bytes_per_rank"] / 2)

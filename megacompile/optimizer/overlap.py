@@ -367,13 +367,26 @@ class GradientLander(GradientSink):
         return position in self.params
 
     def before_offload(self, position: int, value: torch.Tensor, layer: str | None):
-        """Data parallel, averaged on the device: starts the gradient's all-reduce before its copy."""
+        """Data parallel, averaged on the device: starts the gradient's reduction before its
+        copy. With a sharded optimizer only the rank that updates the parameter needs its
+        average (nothing else reads it here: the lander takes the place of step()), so it is
+        reduced to that rank alone and the others copy nothing to their host."""
         if self.reducer is None or not self.reducer.on_device:
             return None
-        after = self.reducer.reduce_on_device(value, layer)
-        if after is not None:
+        p = self.params[position]
+        owner = self._sharded.owner_of(p) if self._sharded is not None else None
+        work = self.reducer.reduce_on_device(value, layer, owner=owner)
+        if work is not None:
             self._on_device.add(position)
-        return after
+        return work
+
+    def not_copied(self, position: int, layer: str | None, after) -> None:
+        """Another rank updates this parameter and received its average: nothing lands here."""
+        if self._batch and layer != self._batch_layer:
+            self._submit()
+        # No gradient: the update skips the parameter (not this rank's); ``after`` is waited for there.
+        self._batch.append((self.params[position], None, after, None, True))
+        self._batch_layer = layer
 
     def take(self, position: int, host_grad: torch.Tensor, layer: str | None, ready=None) -> None:
         """``ready``: blocks until the gradient's copy to the host is complete (None: it is)."""
@@ -431,10 +444,14 @@ class GradientLander(GradientSink):
                         continue
                     # Without data parallel, or averaged on the device: a prior gradient of a
                     # synced backward is every rank's, so prior + average is the average.
+                    if g is None:  # reduced to the rank that owns it: this one does not
+                        ready()
+                        grads.append(None)
+                        continue
                     if ready is not None:
                         ready()  # CUDA: the gradient's copy to the host has finished
                     grads.append(g if prior is None else prior + g)
-                nbytes += sum(g.numel() * g.element_size() for g in grads)
+                nbytes += sum(g.numel() * g.element_size() for g in grads if g is not None)
                 params = [item[0] for item in items]
                 if self._sharded is not None:  # this rank updates only its own shard
                     mine = [i for i, p in enumerate(params) if self._sharded.owns(p)]

@@ -15,7 +15,8 @@ changes is what the ranks share. The model is first-order, each term stated in t
   or on the host after them (gloo: loopback TCP within a node, the NIC between nodes),
   whichever ``megacompile.plan.gradient_reduction`` finds faster, as the runtime chooses; it
   runs layer by layer during the backward, so only what outlasts the backward (at least the
-  last layer's share) is exposed;
+  last layer's share) is exposed. On the GPUs, with the optimizer sharded and overlapped,
+  each gradient is reduced to its owner only, and only the owner copies it to its host;
 - across nodes the parameters are not shared: owners broadcast their updates over the NIC.
 """
 from __future__ import annotations
@@ -57,6 +58,11 @@ def scale_out(plan: DepthPlan, trace, profile: HardwareProfile, *, gpus: int, no
     if ranks > 1 and not on_device:
         host_traffic += gpus * choose_reduction(grad_bytes, grad_bytes, ranks, nodes,
                                                 device_collectives=None).host_memory_bytes
+    # Averaged on the GPUs for a sharded optimizer that overlaps the backward: each gradient
+    # is reduced to the rank that updates it, and only that rank copies it to its host.
+    to_owner = ranks > 1 and on_device and shard_optimizer and bool(trace.host_optimizer.get("overlapped"))
+    if to_owner:
+        host_traffic -= gpus * device_grad_bytes_per_param * num_params * (1 - 1 / ranks)
     host_memory_s = host_traffic / profile.host_memory_bandwidth
     device_s = max(plan.device_s, host_memory_s)
 
@@ -104,7 +110,9 @@ def scale_out(plan: DepthPlan, trace, profile: HardwareProfile, *, gpus: int, no
                           if on_device else
                           f"gloo ring on the host: loopback TCP {LOOPBACK_BANDWIDTH / GB:.0f} GB/s per rank")
                          + (f", NIC {nic_bandwidth / GB:.0f} GB/s per node between nodes" if nodes > 1 else "")
-                         + f" ({reduction_why})",
+                         + f" ({reduction_why})"
+                         + ("; each gradient reduced to the rank that updates it, which alone copies it to its "
+                            "host" if to_owner else ""),
             "optimizer": ("sharded: each node updates 1/nodes of the model" if shard_optimizer
                           else "not sharded: every rank updates the whole model"),
             "parameters": ("one shared copy per node" if shared_weights else "a copy per rank"),
