@@ -81,8 +81,8 @@ def test_compiled_step_overlaps_and_equals_eager():
             overlapped.append(check_step(got, x, y))
     # A stock optimizer is never reported as having run outside megatrain.
     assert not [w for w in caught if "megatrain" in str(w.message)]
-    # The first step creates the optimizer state synchronously; every later one overlaps.
-    assert overlapped == [False, True, True, True, True]
+    # Every step overlaps, the first too: its optimizer state is made before the backward.
+    assert overlapped == [True, True, True, True, True]
     report = optimizer_report()
     assert report["updated_params"] == len(list(model.parameters()))
     for p, q in zip(opt.state.values(), ref_opt.state.values()):
@@ -117,7 +117,7 @@ def test_eager_loop_with_compiled_model_and_scheduler_overlaps():
         ref_opt.zero_grad()
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=LOSS_RTOL, atol=0)
         assert_same(model, reference)
-    assert modes == [False, True, True, True]
+    assert modes == [True, True, True, True]
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 3e-3 * 0.5 ** 4
 
 
@@ -144,10 +144,10 @@ def test_accumulated_microbatches_overlap_the_last_one():
         ref_opt.step()
         ref_opt.zero_grad()
         assert_same(model, reference)
-    # Micro-batches that step() does not follow keep their gradients; from the second
-    # optimizer step on, the last micro-batch's backward updates (adding the accumulated
-    # gradient, as AccumulateGrad would).
-    assert modes == [False, False, False, False, False, True, False, False, True]
+    # Micro-batches that step() does not follow keep their gradients; the last micro-batch's
+    # backward updates (adding the accumulated gradient, as AccumulateGrad would), the first
+    # optimizer step's too.
+    assert modes == [False, False, True, False, False, True, False, False, True]
 
 
 class _Hooked:
@@ -256,10 +256,44 @@ def test_gradients_are_consumed_not_kept():
     report = optimizer_report()
     assert report["overlapped"]
     n_params = len(list(model.parameters()))
-    assert len(taken) == 2 * n_params  # steps 2 and 3, every parameter
+    assert len(taken) == 3 * n_params  # every step (the first too), every parameter
     assert all(ref() is None for ref in taken)
     total_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert 0 < report["peak_pending_grad_bytes"] <= total_grad_bytes
+
+
+def test_first_step_overlaps_and_makes_state_only_where_eager_does():
+    """The first step's Adam state is made before its backward, so the first step too updates
+    each layer as its gradients land (never holding every gradient: a 7B model's fp32
+    gradients would be 28 GB of host memory at once). A parameter the backward gives no
+    gradient keeps no state, as with torch.optim."""
+    class Frozenish(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = MLP()
+            self.offset = torch.nn.Parameter(torch.full((8,), 0.5))  # read, but detached: no gradient
+
+        def forward(self, x):
+            return self.body(x) + self.offset.detach()
+
+    torch.manual_seed(0)
+    model = Frozenish()
+    reference = copy.deepcopy(model)
+    step, opt = make_training_step(model, F.mse_loss, lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    compiled = torch.compile(step, backend="megatrain", options=budget(model))
+    (x, y), = batches(1)
+    got = compiled(x, y)
+    torch.testing.assert_close(got, eager_step(reference, ref_opt, x, y), rtol=LOSS_RTOL, atol=0)
+    assert_same(model, reference)
+    report = optimizer_report()
+    assert report["overlapped"], report
+    trained = [p for p in model.parameters() if p is not model.offset]
+    assert report["peak_pending_grad_bytes"] < sum(p.numel() * p.element_size() for p in trained)
+    assert model.offset not in opt.state and reference.offset not in ref_opt.state
+    assert len(opt.state) == len(ref_opt.state) == len(trained)
+    for p, q in zip(trained, [q for q in reference.parameters() if q is not reference.offset]):
+        assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"]) == 1.0
 
 
 def test_auto_is_off_on_the_cpu_stand_in():

@@ -400,7 +400,8 @@ class TrainingCompiler:
                 opt, reason = None, "another rank cannot overlap the optimizer with this backward"
         if opt is None:
             return without_overlap(reason)
-        lander = overlap.GradientLander(opt, params, self.device, reason, reducer=reducer)
+        created = overlap.create_missing_state(opt, params)  # a first step overlaps too
+        lander = overlap.GradientLander(opt, params, self.device, reason, reducer=reducer, created_state=created)
         RECORDER.overlap_decided(lander.stats)
         if reducer is not None:
             RECORDER.data_parallel_decided(reducer.stats)

@@ -37,7 +37,7 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _init_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+def init_adam_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
     """The state a stock Adam / AdamW creates at a parameter's first step (non-fused,
     non-capturable): a zero step counter on the host and zero moments shaped like ``p``."""
     state = opt.state[p]
@@ -72,7 +72,7 @@ def fused_update(opt: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             if not mine(p):
                 continue
-            state = opt.state[p] or _init_state(opt, p)
+            state = opt.state[p] or init_adam_state(opt, p)
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])

@@ -45,7 +45,8 @@ import torch
 
 import megacompile.runtime
 from megacompile.core import torch_compat as compat
-from megacompile.optimizer.host_step import has_host_step, kernel_available
+from megacompile.core.host_memory import check_host_allocation
+from megacompile.optimizer.host_step import has_host_step, init_adam_state, kernel_available
 from megacompile.optimizer.ownership import fused_kernel_runs
 from megacompile.runtime import trace
 from megacompile.runtime.data_parallel import GradientReducer, group_of, share_updated
@@ -272,14 +273,33 @@ def _optimizer_ready(opt: torch.optim.Optimizer, params: dict[int, torch.Tensor]
     mine = [p for p in params.values() if id(p) in owned]
     if any(compat.tensor_has_grad_hooks(p) for p in mine):
         return "a parameter has gradient hooks"
+    for p in mine:
+        state = opt.state.get(p)
+        if state and not ("exp_avg" in state and "exp_avg_sq" in state and "step" in state):
+            return "the optimizer's state of a parameter is not Adam's (exp_avg, exp_avg_sq, step)"
+    return None
+
+
+def create_missing_state(opt: torch.optim.Optimizer, params: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    """Before a first step that overlaps the backward: the Adam state of each of ``params``
+    this optimizer updates here (a sharded optimizer: the ones this rank owns) and that has
+    none yet, as torch.optim would create it at its first step (zero moments, step 0), so the
+    first step too updates each layer as its gradients land and never holds every gradient
+    at once. The host's free memory is checked first. Returns the parameters given state
+    (``GradientLander.finish`` drops it again from those that got no gradient, as eager
+    creates none for them)."""
+    owned = {id(p) for g in opt.param_groups for p in g["params"]}
+    mine = [p for p in params.values() if id(p) in owned]
     replicas = group_of(mine)
     if replicas is not None and replicas.shards_optimizer:
         mine = [p for p in mine if replicas.owns(p)]  # the rest has its state on other ranks
-    for p in mine:
-        state = opt.state.get(p)
-        if not state or "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
-            return "the optimizer has no state yet (its first step runs synchronously)"
-    return None
+    missing = [p for p in mine if not opt.state.get(p)]
+    if missing:
+        check_host_allocation(sum(2 * p.numel() * p.element_size() for p in missing),
+                              f"{type(opt).__name__}'s state (exp_avg and exp_avg_sq of each parameter)")
+        for p in missing:
+            init_adam_state(opt, p)
+    return missing
 
 
 def step_follows_backward(params: dict[int, torch.Tensor]) -> tuple[torch.optim.Optimizer | None, str]:
@@ -340,8 +360,10 @@ class GradientLander(GradientSink):
     """
 
     def __init__(self, opt: torch.optim.Optimizer, params: dict[int, torch.Tensor], device, reason: str,
-                 reducer: GradientReducer | None = None) -> None:
+                 reducer: GradientReducer | None = None, created_state: list[torch.Tensor] = ()) -> None:
         self.opt = opt
+        # Parameters whose state was made for this (first) step: dropped again where no update ran.
+        self._created_state = list(created_state)
         # Data parallel: each layer's gradients are averaged across the ranks (an async
         # all-reduce issued as the layer is submitted) before its update uses them.
         self.reducer = reducer
@@ -502,6 +524,12 @@ class GradientLander(GradientSink):
                     f.result()  # re-raises a failed update here, on the backward's thread
         finally:
             self.stats.exposed_seconds = time.perf_counter() - start
+            # State made for a parameter no update reached (no gradient, or the step failed
+            # first) goes again: eager creates state only where it steps.
+            for p in self._created_state:
+                state = self.opt.state.get(p)
+                if state and float(state["step"]) == 0:
+                    del self.opt.state[p]
         if failed:
             return
         if self.reducer is not None:
