@@ -71,6 +71,9 @@ class StepReport:
     # Host buffers the forwards' offloaded activations land in, exactly their size and reused
     # every step (runtime/host_arena.py): bytes held after the step.
     offload_arena_bytes: int = 0
+    # Host buffers returned gradients land in, exactly their size and reused every step
+    # (runtime/host_arena.LandingBuffers): bytes held after the step.
+    gradient_landing_bytes: int = 0
     # A data-parallel model (megacompile.data_parallel): runtime.data_parallel.DataParallelStats
     # as a dict (world_size, rank, synced, buckets, reduced_bytes, exposed_seconds,
     # sharded_optimizer, shared_parameters, reduced_on, reduced_on_why, device_reductions,
@@ -96,6 +99,8 @@ class StepReport:
               if self.pinned_host_bytes or self.pinned_host_cap is not None else []),
             *([f"  offload arenas       {format_bytes(self.offload_arena_bytes)} (host, reused every step)"]
               if self.offload_arena_bytes else []),
+            *([f"  gradient landing     {format_bytes(self.gradient_landing_bytes)} (host, reused every step)"]
+              if self.gradient_landing_bytes else []),
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
@@ -260,6 +265,7 @@ class StepRecorder:
         device.synchronize()
         measured = device.tracker.peak_since_reset() if all(g.measures_peak for g in graphs) else None
         reserved = device.tracker.reserved_peak()
+        landing = device.landing.nbytes if device.landing is not None else 0
         stats = copy.copy(device.stats)  # the counters as of now (later glue graphs add to them)
         stats.h2d_by_layer, stats.d2h_by_layer = dict(stats.h2d_by_layer), dict(stats.d2h_by_layer)
         overlapped = dataclasses.asdict(cur["overlap"]) if cur["overlap"] is not None else None
@@ -268,7 +274,8 @@ class StepRecorder:
                              optimizer=cur["optimizer"],
                              staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped,
                              pinned=(device.pinned.pinned, device.pinned.cap),
-                             offload_arena_bytes=device.host_buffer_bytes)
+                             offload_arena_bytes=device.host_buffer_bytes - landing,
+                             gradient_landing_bytes=landing)
         reduced = cur.get("data_parallel")
         self._data_parallel = dataclasses.asdict(reduced) if reduced is not None else None
         self._last = None

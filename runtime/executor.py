@@ -430,6 +430,10 @@ class StreamingProgram:
         # Called at the start of each call: the GradientSink that takes returned gradients as
         # they land (the overlapped optimizer's lander), or None for the default sink.
         self.make_sink = make_sink
+        # A backward: its returned values are gradients, the same sizes every step, which land
+        # in the device's reused buffers (where it has them). A forward's returned values are
+        # the user's to keep.
+        self.lands_gradients = False
         # Set to a list to record (instruction name, device bytes live after it) over the last
         # run: the measured curve beside the plan's (`megacompile inspect --plot`).
         self.memory_log: list | None = None
@@ -550,7 +554,8 @@ class StreamingProgram:
         if self.memory_log is not None:
             self.memory_log.clear()
         call = Call(env, device, sink, track=self.lowering == "eager", share=self.share_host_memory,
-                    compile=self._compile, arena=self.arena_pool.lease() if self.arena_pool is not None else None)
+                    compile=self._compile, arena=self.arena_pool.lease() if self.arena_pool is not None else None,
+                    landing=device.landing if self.lands_gradients else None)
         # The stand-in's tracker sees op outputs; the fused head's chunk buffers are inside
         # one op, so that op reports them (on CUDA the allocator sees everything).
         observing = call.track and device.kind == "cpu"

@@ -165,3 +165,51 @@ class ArenaPool:
             self._size = max(self._size, lease.needed)
             self.stats.placed += lease.placed
             self.stats.spilled += lease.spilled
+
+
+class LandingBuffers:
+    """Exact-size host buffers the gradients of a backward land in, reused step after step.
+
+    A returned gradient's copy to the host used to allocate a host tensor per copy per step:
+    on CUDA from torch's pinned caching allocator (power-of-two blocks kept for the life of
+    the process), on the host from the C heap, which keeps freed pages (a step's landed
+    gradients stayed in the RSS). A parameter's gradient has the same size every step, so
+    ``take`` hands out a view of a buffer of exactly its size that nothing else refers to any
+    more (the same reference count ``OffloadArena.free`` reads: the host optimizer, the sink
+    or ``param.grad`` may still hold last step's), or allocates one (the device's
+    ``host_buffer``: page-locked in place on CUDA). The pool grows to the most gradients of a
+    size alive at once: a few layers' with the overlapped optimizer, every one where
+    ``param.grad`` keeps them."""
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor]) -> None:
+        self._allocate = allocate
+        self._buffers: dict[int, list[OffloadArena]] = {}
+        self._lock = threading.Lock()
+        self.made = 0  # buffers allocated
+        self.reused = 0  # views handed out of a buffer made before
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.capacity for bufs in self._buffers.values() for b in bufs)
+
+    def take(self, like: torch.Tensor) -> torch.Tensor | None:
+        """A host view shaped and strided like ``like`` over a free buffer of its size, or
+        None where ``like`` does not cover its storage densely (the caller allocates)."""
+        if like.device.type == "meta":
+            return None
+        stride = like.stride()
+        span = storage_span_bytes(like.shape, stride, like.dtype)
+        if span == 0 or span != like.numel() * like.element_size():
+            return None
+        with self._lock:
+            buffers = self._buffers.setdefault(span, [])
+            buffer = next((b for b in buffers if b.free()), None)
+            if buffer is None:
+                buffer = OffloadArena(span, self._allocate)
+                buffers.append(buffer)
+                self.made += 1
+            else:
+                self.reused += 1
+            # The view is made under the lock: from here its reference marks the buffer taken.
+            return buffer.buffer.view(like.dtype).as_strided(like.shape, stride)

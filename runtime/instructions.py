@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from megacompile.runtime.device import StreamingDevice
 from megacompile.runtime.gradient_sink import GradientSink
-from megacompile.runtime.host_arena import ArenaLease
+from megacompile.runtime.host_arena import ArenaLease, LandingBuffers
 
 
 class Slot:
@@ -74,6 +74,9 @@ class Call:
     compile: Callable[[fx.GraphModule, list], Callable]
     # Where this call's offloaded activations go (runtime/host_arena.py); None: each its own.
     arena: ArenaLease | None = None
+    # A backward: where its returned gradients land (runtime/host_arena.LandingBuffers); None:
+    # each its own host tensor.
+    landing: LandingBuffers | None = None
 
 
 # Returned by an instruction that did nothing this call: it is not traced, logged or freed after.
@@ -312,7 +315,10 @@ class Offload(Instruction):
         if call.share:
             host = device.hand_over(value, self.tag, self.layer, after=after)
         else:
-            into = call.arena.place(value) if self.to_arena and call.arena is not None else None
+            if self.to_arena:
+                into = call.arena.place(value) if call.arena is not None else None
+            else:  # a returned gradient: a buffer of its size, reused every step
+                into = call.landing.take(value) if self.returns is not None and call.landing is not None else None
             host = device.offload(value, self.tag, self.layer, into=into, after=after)
         if taken:
             # Taken as soon as it lands: the program returns None for it and keeps no host copy.

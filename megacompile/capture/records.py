@@ -79,7 +79,8 @@ class CompiledGraph:
 
     def make_report(self, stats, measured: int | None, host_graphs: list[str], optimizer=None,
                     staging_peak: int = 0, overlap: dict | None = None, reserved: int | None = None,
-                    pinned: tuple[int, int | None] = (0, None), offload_arena_bytes: int = 0) -> StepReport:
+                    pinned: tuple[int, int | None] = (0, None), offload_arena_bytes: int = 0,
+                    gradient_landing_bytes: int = 0) -> StepReport:
         """The step's report from its transfer counters (``device.stats``), measured peaks, the
         optimizer whose state counts as host memory, and the overlapped optimizer's stats."""
         plan = self.plan
@@ -131,6 +132,7 @@ class CompiledGraph:
             pinned_host_bytes=pinned[0],
             pinned_host_cap=pinned[1],
             offload_arena_bytes=offload_arena_bytes,
+            gradient_landing_bytes=gradient_landing_bytes,
             h2d_bytes=stats.h2d_bytes,
             d2h_bytes=stats.d2h_bytes,
             recomputed_ops=list(plan.recomputed_ops),

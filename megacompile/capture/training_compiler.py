@@ -344,6 +344,7 @@ class TrainingCompiler:
             program = self.lower(self._same_or_ours(gm, self.record.backward), start_step=False, record=self.record,
                                  part="backward")
         program.make_sink = self._make_lander
+        program.lands_gradients = True
         finished = program.on_finish
 
         def on_finish(failed: bool) -> None:
