@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import socket
 from typing import Iterator
 
 import torch
@@ -26,7 +25,7 @@ import torch.distributed as dist
 
 from megacompile.core.errors import DataParallelError
 from megacompile.runtime.data_parallel import DataParallelGroup, group_of, register
-from megacompile.runtime.shared_parameters import map_shared, why_not_shared
+from megacompile.runtime.shared_parameters import gather_hosts, host_layout, map_shared, why_not_shared
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +43,9 @@ def data_parallel(model: torch.nn.Module, *, process_group=None, shard_optimizer
     ``shard_optimizer``: each rank keeps the Adam / AdamW state of, and updates, only its
     shard of the parameters (about 1/world of the bytes, whole tensors, in parameter order);
     the updated parameters are broadcast from their owner, so every rank ends the step with
-    the same parameters. Where every rank runs on one host (and ``shared_memory``), the
-    parameters live once per host in shared memory that every rank maps, and the owners'
-    updates need no broadcast (``runtime/shared_parameters.py``). ``reduce_gradients_on``:
+    the same parameters. With ``shared_memory`` the parameters live once per host, in shared
+    memory every rank of the host maps: an owner's update needs no broadcast within its host,
+    and between hosts one rank per host carries it (``runtime/shared_parameters.py``). ``reduce_gradients_on``:
     where gradients are averaged: ``"device"`` (on the GPU before they are copied to the host:
     NCCL; on the CPU stand-in, gloo on its device tensors), ``"host"`` (gloo after they land),
     or ``"auto"`` (the faster by ``megacompile.plan.gradient_reduction``: the device where NCCL
@@ -94,22 +93,27 @@ def data_parallel(model: torch.nn.Module, *, process_group=None, shard_optimizer
 
     _check_same_structure(model, reduce_group)
     params = [p for _, p in named]
-    shared = False
+    hosts = gather_hosts(reduce_group)
+    src = dist.get_global_rank(reduce_group, 0)
+    with torch.no_grad():  # rank 0's values everywhere
+        for t in params + list(model.buffers()):
+            dist.broadcast(t.data, src=src, group=reduce_group)
+    layout = None
     if shard_optimizer and shared_memory:
-        why_not = why_not_shared(params, reduce_group)
+        why_not = why_not_shared(params, hosts)
+        if why_not is None and ranks is not None and len({h for h, _ in hosts}) > 1:
+            # The hosts' groups are made by every rank of the job; a group over part of it
+            # cannot ask the others.
+            why_not = "a process_group over part of the job spans several hosts"
         if why_not is None:
-            map_shared(params, reduce_group)  # rank 0's values, one copy for the host
-            shared = True
+            layout = host_layout(reduce_group, hosts, timeout)
+            map_shared(params, layout.node_group)  # one copy for each host
         else:
             log.info("megacompile.data_parallel: parameters are not shared between the ranks: %s", why_not)
-    src = dist.get_global_rank(reduce_group, 0)
-    with torch.no_grad():
-        for t in ([] if shared else params) + list(model.buffers()):
-            dist.broadcast(t.data, src=src, group=reduce_group)
     owners = _partition(params, dist.get_world_size(reduce_group)) if shard_optimizer else None
-    group = DataParallelGroup(reduce_group, broadcast_group, timeout, owners, shared_parameters=shared,
+    group = DataParallelGroup(reduce_group, broadcast_group, timeout, owners, shared_parameters=layout is not None,
                               device_group=device_group, device_backend=device_backend or "gloo",
-                              reduce_on=reduce_gradients_on, nodes=_count_hosts(reduce_group))
+                              reduce_on=reduce_gradients_on, nodes=len({h for h, _ in hosts}), hosts=layout)
     register([p for _, p in named], group)
     return model
 
@@ -126,13 +130,6 @@ def _check_same_structure(model: torch.nn.Module, group) -> None:
             raise DataParallelError(
                 f"megacompile.data_parallel(): rank {rank}'s model differs from rank {dist.get_rank(group)}'s "
                 f"(first difference: {diff[1]} there, {diff[0]} here); every rank must build the same model")
-
-
-def _count_hosts(group) -> int:
-    """How many hosts the group's ranks run on (the cost model's nodes)."""
-    hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return len(set(hosts))
 
 
 def _partition(params: list[torch.Tensor], world: int) -> dict[int, int]:

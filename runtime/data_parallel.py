@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megacompile.core.errors import DataParallelError
 from megacompile.runtime.gradient_sink import DeviceWork, GradientSink
-from megacompile.runtime.shared_parameters import others_updated
+from megacompile.runtime.shared_parameters import HostLayout, others_updated
 
 
 @dataclasses.dataclass
@@ -57,7 +57,8 @@ class DataParallelGroup:
 
     def __init__(self, reduce_group, broadcast_group, timeout: datetime.timedelta | None,
                  owners: dict[int, int] | None, shared_parameters: bool = False, *, device_group=None,
-                 device_backend: str | None = None, reduce_on: str = "host", nodes: int = 1) -> None:
+                 device_backend: str | None = None, reduce_on: str = "host", nodes: int = 1,
+                 hosts: HostLayout | None = None) -> None:
         self.reduce_group = reduce_group  # gradient all-reduces (host tensors: gloo)
         # Gradient all-reduces on the compute device (None: not created), issued only from the
         # program's thread; ``device_backend``: what reduces CUDA tensors on it ("nccl" or "gloo").
@@ -65,6 +66,8 @@ class DataParallelGroup:
         self.device_backend = device_backend
         self.reduce_on = reduce_on  # "auto", "host" or "device" (megacompile.data_parallel)
         self.nodes = nodes
+        # Shared parameters: the hosts' ranks and the groups that carry updates between hosts.
+        self.hosts = hosts
         # A backward under no_sync() left each rank its own gradients in param.grad: the next
         # synced backward must average those too, which only the host path (it reduces
         # param.grad + gradient) does.
@@ -362,6 +365,47 @@ class ReducingSink(GradientSink):
             self._buckets, self._averaged = [], []
 
 
+def _barrier(group: DataParallelGroup, over, what: str) -> None:
+    done = torch.zeros(1)
+    try:
+        work = dist.all_reduce(done, group=over, async_op=True)
+    except Exception as e:
+        raise collective_failed(what, group, e) from e
+    group.wait(work, what)
+
+
+def _carry_between_hosts(group: DataParallelGroup, params: list[torch.Tensor],
+                         before_write: Callable[[], None] | None) -> None:
+    """On a host's leader, once its host's owners have written: every host's updated
+    parameters, broadcast by its leader to the other leaders, written into this host's copy."""
+    hosts = group.hosts
+    mine = hosts.host_of[group.rank]
+    by_host: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        by_host.setdefault((hosts.host_of[group.owner_of(p)], p.dtype), []).append(p)
+    for (host, dtype), ps in sorted(by_host.items(), key=lambda item: (item[0][0], str(item[0][1]))):
+        if host == mine:
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
+        else:
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype)
+        what = f"the broadcast of host {host}'s updated parameters"
+        src = dist.get_global_rank(group.reduce_group, hosts.leader_of[host])
+        try:
+            work = dist.broadcast(flat, src=src, group=hosts.leaders_group, async_op=True)
+        except Exception as e:
+            raise collective_failed(what, group, e) from e
+        group.wait(work, what)
+        if host == mine:
+            continue
+        if before_write is not None:
+            before_write()
+        offset = 0
+        with torch.no_grad():
+            for p in ps:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
 def share_updated(group: DataParallelGroup, params: list[torch.Tensor],
                   before_write: Callable[[], None] | None = None) -> None:
     """With a sharded optimizer, after the owners updated ``params`` (the same list, in the
@@ -370,13 +414,14 @@ def share_updated(group: DataParallelGroup, params: list[torch.Tensor],
     (no load may still read it). Parameters in shared memory need no copy: a barrier says
     every owner has written them."""
     if group.shared_parameters:
-        done = torch.zeros(1)
-        what = "the barrier after the owners' parameter updates"
-        try:
-            work = dist.all_reduce(done, group=group.broadcast_group, async_op=True)
-        except Exception as e:
-            raise collective_failed(what, group, e) from e
-        group.wait(work, what)
+        hosts = group.hosts
+        one_host = hosts is None or hosts.leaders_group is None
+        _barrier(group, group.broadcast_group if one_host else hosts.node_group,
+                 "the barrier after the owners' parameter updates")
+        if not one_host:
+            if group.rank == hosts.leader_of[hosts.host_of[group.rank]]:
+                _carry_between_hosts(group, params, before_write)
+            _barrier(group, hosts.node_group, "the barrier after the other hosts' parameter updates")
         others_updated([p for p in params if not group.owns(p)])
         return
     by_owner: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}

@@ -277,6 +277,78 @@ def rank_dies(rank: int, world: int, compiled) -> dict:
     return {"error_type": None, "seconds": time.perf_counter() - started}
 
 
+def two_hosts(rank: int, world: int) -> dict:
+    """Four ranks on two hosts (``MEGACOMPILE_HOST_ID``), the optimizer sharded: each host keeps
+    one copy of the parameters that its two ranks share, and updates cross between the hosts
+    through one rank each. An eager loop (micro-batches under no_sync, clipping, the update
+    after the backward), then the whole step compiled with the update overlapped, per layer."""
+    model, reference, opt, sched, ref_opt, ref_sched = new_training(seed=9, shard_optimizer=True)
+    # A write by rank 0 reaches rank 1 (same host) through memory, not rank 2 or 3.
+    p = next(iter(model.parameters()))
+    old = p.detach()[0, 0].item()
+    dist.barrier()
+    if rank == 0:
+        with torch.no_grad():
+            p[0, 0] = 1234.5
+    dist.barrier()
+    seen = [int(p.detach()[0, 0].item() == 1234.5)]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, seen[0])
+    dist.barrier()
+    if rank == 0:
+        with torch.no_grad():
+            p[0, 0] = old
+    dist.barrier()
+    compiled = torch.compile(model, backend="megatrain", options=OPTIONS)
+    per_rank = GLOBAL_BATCH // world
+    for x, y in batches(2, seed=10):
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank].chunk(2), y[rank * per_rank:(rank + 1) * per_rank].chunk(2)
+        with megacompile.no_sync(model):
+            (F.mse_loss(compiled(xs[0]), ys[0]) / 2).backward()
+        (F.mse_loss(compiled(xs[1]), ys[1]) / 2).backward()
+        for k in range(2):
+            idx = torch.cat([torch.arange(r * per_rank, (r + 1) * per_rank).chunk(2)[k] for r in range(world)])
+            (F.mse_loss(reference(x[idx]), y[idx]) / 2).backward()
+        for m, o, s in ((model, opt, sched), (reference, ref_opt, ref_sched)):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+            s.step()
+            o.zero_grad()
+    eager_loop = {"max_diff": max_diff(model, reference), "same_on_every_rank": same_on_every_rank(model)}
+
+    @torch.compile(backend="megatrain", options={**OPTIONS, "overlap_optimizer": True})
+    def step(x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    overlapped = []
+    for x, y in batches(3, seed=11):
+        step(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+        overlapped.append(megacompile.last_report().optimizer["overlapped"])
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+    return {"seen_rank0_write": everyone, "eager_loop": eager_loop, "overlapped": overlapped,
+            "max_diff": max_diff(model, reference), "same_on_every_rank": same_on_every_rank(model),
+            "report": megacompile.last_report().data_parallel, "state_bytes": state_bytes(opt),
+            "reference_state_bytes": state_bytes(ref_opt)}
+
+
+def main_two_hosts(outdir: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    result = {"two_hosts": two_hosts(rank, world)}
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
 def main(outdir: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -300,4 +372,7 @@ def main(outdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 2 and sys.argv[2] == "two_hosts":
+        main_two_hosts(sys.argv[1])
+    else:
+        main(sys.argv[1])

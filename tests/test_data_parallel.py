@@ -4,7 +4,9 @@
 backward. Two ranks (subprocesses, as torchrun starts them, with timeouts so a hang fails)
 train and compare with plain eager PyTorch on the concatenated global batch: parameters within
 fp32 rounding, identical on both ranks; the sharded optimizer holds about half the AdamW state
-per rank; gradients averaged on the device (before their copies) train the same; a DCP
+per rank; four ranks on two hosts keep one shared copy of the parameters per host, the
+hosts exchanging updates through one rank each; gradients averaged on the device (before
+their copies) train the same; a DCP
 checkpoint resumes on the same ranks and on one; a rank that exits makes the other's step
 fail with ``DataParallelError``. The example script runs under torchrun.
 """
@@ -168,6 +170,45 @@ def test_a_rank_that_dies_fails_the_other_with_a_clear_error(two_ranks):
     assert "the gradient all-reduce of layer layers." in died["error"] and "rank 0 of 2" in died["error"]
     assert "Another rank most likely exited" in died["error"] and "restart" in died["error"]
     assert died["seconds"] < 25  # failed, not waited out a long timeout
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """Four ranks of tests/data_parallel_worker.py (mode two_hosts), two per host
+    (``MEGACOMPILE_HOST_ID``; the test machine's shared memory stands in for each host's)."""
+    outdir = tmp_path_factory.mktemp("dp_hosts")
+    port = _free_port()
+    worker = str(ROOT / "tests" / "data_parallel_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(outdir), "two_hosts"],
+                              env={**_env(r, 4, port), "MEGACOMPILE_HOST_ID": f"host{r // 2}"}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=LAUNCH_TIMEOUT)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("the four-rank job hung past its timeout")
+    results = []
+    for rank in range(4):
+        path = outdir / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result:\n{logs[rank][-4000:]}"
+        results.append(json.loads(path.read_text())["two_hosts"])
+    return results
+
+
+def test_each_host_keeps_one_copy_and_updates_cross_hosts_once(two_hosts):
+    for rank, r in enumerate(two_hosts):
+        # Rank 0's write is what its host's other rank reads; the other host has its own copy.
+        assert r["seen_rank0_write"] == [1, 1, 0, 0], rank
+        assert r["report"]["shared_parameters"]
+        # Trained like eager on the global batch, the same on all four ranks: the hosts'
+        # leaders carried each host's owners' updates to the other host.
+        assert r["eager_loop"]["max_diff"] <= PARAM_ATOL and r["eager_loop"]["same_on_every_rank"], rank
+        assert r["overlapped"] == [True, True, True]
+        assert r["max_diff"] <= PARAM_ATOL and r["same_on_every_rank"], (rank, r["max_diff"])
+        assert r["state_bytes"] == r["reference_state_bytes"] // 4
 
 
 def test_example_script_checks_parity_under_torchrun():

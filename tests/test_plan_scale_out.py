@@ -99,7 +99,9 @@ def test_sharded_optimizer_keeps_a_node_at_one_copy():
     # Across nodes a node holds 1/nodes of the state, and the parameters travel over the NIC.
     four_nodes = run(8, 4)
     assert four_nodes["host_memory_per_node_bytes"]["optimizer_states"] == 2 * PARAMS
-    assert four_nodes["parts_s"]["parameter_broadcast"] > 0
+    assert four_nodes["host_memory_per_node_bytes"]["weights"] == 4 * PARAMS  # one copy per node still
+    # Each node receives the other nodes' 3/4 of the weights once, not once per GPU.
+    assert four_nodes["parts_s"]["parameter_broadcast"] == pytest.approx(3 / 4 * 4 * PARAMS / (25 * GB))
 
 
 def test_a_faster_nic_is_never_slower():

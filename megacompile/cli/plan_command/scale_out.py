@@ -17,7 +17,8 @@ changes is what the ranks share. The model is first-order, each term stated in t
   runs layer by layer during the backward, so only what outlasts the backward (at least the
   last layer's share) is exposed. On the GPUs, with the optimizer sharded and overlapped,
   each gradient is reduced to its owner only, and only the owner copies it to its host;
-- across nodes the parameters are not shared: owners broadcast their updates over the NIC.
+- across nodes each node keeps its own shared copy: one rank per node receives the other
+  nodes' owners' updates over the NIC, once per node.
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def scale_out(plan: DepthPlan, trace, profile: HardwareProfile, *, gpus: int, no
     ring = ring_bytes(device_grad_bytes_per_param * num_params if on_device else grad_bytes, ranks)
     allreduce_s = choice.device_seconds if on_device else choice.host_seconds
     reduction_why = choice.why if reduce_gradients_on == "auto" else f"reduce_gradients_on='{reduce_gradients_on}'"
-    # Sharded across nodes: each node receives the other nodes' updated parameters, once per rank.
-    broadcast_bytes = gpus * (nodes - 1) / nodes * weight_bytes if shard_optimizer and nodes > 1 else 0
+    # Sharded across nodes: each node receives the other nodes' updated parameters, once (its
+    # leader writes them into the node's shared copy).
+    broadcast_bytes = (nodes - 1) / nodes * weight_bytes if shard_optimizer and nodes > 1 else 0
     broadcast_s = broadcast_bytes / nic_bandwidth if broadcast_bytes else 0.0
 
     host_traffic = gpus * (plan.h2d_bytes + plan.d2h_bytes)
@@ -82,7 +84,7 @@ def scale_out(plan: DepthPlan, trace, profile: HardwareProfile, *, gpus: int, no
     one_gpu_tokens_per_s = tokens_per_gpu / plan.step_s if plan.step_s > 0 else None
     tokens_per_s = tokens / step_s if step_s > 0 else None
 
-    shared_weights = shard_optimizer and nodes == 1
+    shared_weights = shard_optimizer
     node_memory = {
         "weights": weight_bytes * (1 if shared_weights else gpus),
         "gradients": 0 if overlapped else grad_bytes * gpus,
