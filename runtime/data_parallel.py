@@ -379,23 +379,35 @@ def _carry_between_hosts(group: DataParallelGroup, params: list[torch.Tensor],
     """On a host's leader, once its host's owners have written: every host's updated
     parameters, broadcast by its leader to the other leaders, written into this host's copy."""
     hosts = group.hosts
-    mine = hosts.host_of[group.rank]
-    by_host: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+    _broadcast_from_sources(
+        group, params, source_of=lambda p: hosts.host_of[group.owner_of(p)], mine=hosts.host_of[group.rank],
+        over=hosts.leaders_group,
+        global_rank=lambda host: dist.get_global_rank(group.reduce_group, hosts.leader_of[host]),
+        what=lambda host: f"the broadcast of host {host}'s updated parameters", before_write=before_write)
+
+
+def _broadcast_from_sources(group: DataParallelGroup, params: list[torch.Tensor], *, source_of: Callable, mine: int,
+                            over, global_rank: Callable[[int], int], what: Callable[[int], str],
+                            before_write: Callable[[], None] | None) -> None:
+    """``params`` grouped by their source (``source_of(p)``: an owner rank, or a host) and
+    dtype, each group broadcast as one buffer over ``over`` from its source, in one order on
+    every rank; where this rank's source (``mine``) is not the group's, the received values
+    are written into the parameters (after ``before_write()``: no load may still read them).
+    Each write bumps the parameter's version: its bf16 copy is recast."""
+    by_source: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for p in params:
-        by_host.setdefault((hosts.host_of[group.owner_of(p)], p.dtype), []).append(p)
-    for (host, dtype), ps in sorted(by_host.items(), key=lambda item: (item[0][0], str(item[0][1]))):
-        if host == mine:
+        by_source.setdefault((source_of(p), p.dtype), []).append(p)
+    for (source, dtype), ps in sorted(by_source.items(), key=lambda item: (item[0][0], str(item[0][1]))):
+        if source == mine:
             flat = torch.cat([p.detach().reshape(-1) for p in ps])
         else:
             flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype)
-        what = f"the broadcast of host {host}'s updated parameters"
-        src = dist.get_global_rank(group.reduce_group, hosts.leader_of[host])
         try:
-            work = dist.broadcast(flat, src=src, group=hosts.leaders_group, async_op=True)
+            work = dist.broadcast(flat, src=global_rank(source), group=over, async_op=True)
         except Exception as e:
-            raise collective_failed(what, group, e) from e
-        group.wait(work, what)
-        if host == mine:
+            raise collective_failed(what(source), group, e) from e
+        group.wait(work, what(source))
+        if source == mine:
             continue
         if before_write is not None:
             before_write()
@@ -411,8 +423,9 @@ def share_updated(group: DataParallelGroup, params: list[torch.Tensor],
     """With a sharded optimizer, after the owners updated ``params`` (the same list, in the
     same order, on every rank): each owner's updated parameters, broadcast to the other ranks
     as one buffer. ``before_write``: called before a received value overwrites a parameter
-    (no load may still read it). Parameters in shared memory need no copy: a barrier says
-    every owner has written them."""
+    (no load may still read it). Parameters in shared memory need no copy within a host: a
+    barrier says its owners have written them; between hosts each host's leader carries its
+    host's updates to the other hosts' copies, and a second barrier says they have arrived."""
     if group.shared_parameters:
         hosts = group.hosts
         one_host = hosts is None or hosts.leaders_group is None
@@ -424,27 +437,7 @@ def share_updated(group: DataParallelGroup, params: list[torch.Tensor],
             _barrier(group, hosts.node_group, "the barrier after the other hosts' parameter updates")
         others_updated([p for p in params if not group.owns(p)])
         return
-    by_owner: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        by_owner.setdefault((group.owner_of(p), p.dtype), []).append(p)
-    for (owner, dtype), ps in sorted(by_owner.items(), key=lambda item: (item[0][0], str(item[0][1]))):
-        if owner == group.rank:
-            flat = torch.cat([p.detach().reshape(-1) for p in ps])
-        else:
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype)
-        what = f"the broadcast of rank {owner}'s updated parameters"
-        try:
-            work = dist.broadcast(flat, src=dist.get_global_rank(group.broadcast_group, owner),
-                                  group=group.broadcast_group, async_op=True)
-        except Exception as e:
-            raise collective_failed(what, group, e) from e
-        group.wait(work, what)
-        if owner == group.rank:
-            continue
-        if before_write is not None:
-            before_write()
-        offset = 0
-        with torch.no_grad():
-            for p in ps:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))  # bumps the version: bf16 copies recast
-                offset += p.numel()
+    _broadcast_from_sources(
+        group, params, source_of=group.owner_of, mine=group.rank, over=group.broadcast_group,
+        global_rank=lambda owner: dist.get_global_rank(group.broadcast_group, owner),
+        what=lambda owner: f"the broadcast of rank {owner}'s updated parameters", before_write=before_write)

@@ -75,9 +75,9 @@ def new_training(seed: int = 0, **dp):
     return model, reference, *opts
 
 
-def parameters_shared(model, rank: int) -> bool:
-    """Whether a value rank 0 writes into its parameter is what rank 1's parameter holds,
-    with no collective moving it (one copy in shared memory)."""
+def who_sees_rank0s_write(model, rank: int, world: int) -> list[int]:
+    """Per rank, whether a value rank 0 writes into its parameter is what that rank's
+    parameter holds, with no collective moving it (one copy in shared memory)."""
     p = next(iter(model.parameters()))
     old = p.detach()[0, 0].item()
     dist.barrier()
@@ -85,13 +85,82 @@ def parameters_shared(model, rank: int) -> bool:
         with torch.no_grad():
             p[0, 0] = 1234.5
     dist.barrier()
-    seen = torch.tensor([int(p.detach()[0, 0].item() == 1234.5)])
-    dist.all_reduce(seen, op=dist.ReduceOp.MIN)  # rank 0 sees its own write in any case
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, int(p.detach()[0, 0].item() == 1234.5))
+    dist.barrier()
     if rank == 0:
         with torch.no_grad():
             p[0, 0] = old
     dist.barrier()
-    return bool(seen.item())
+    return everyone
+
+
+def parameters_shared(model, rank: int) -> bool:
+    """Whether rank 0's write reaches every rank through memory (rank 0 sees its own anyway)."""
+    return all(who_sees_rank0s_write(model, rank, dist.get_world_size()))
+
+
+def compiled_step_for(m, o, s):
+    """The whole step compiled, the host optimizer overlapped with the backward."""
+    @torch.compile(backend="megatrain", options={**OPTIONS, "overlap_optimizer": True})
+    def step(x, y):
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        s.step()
+        o.zero_grad()
+        return loss.detach()
+    return step
+
+
+def train_overlapped(rank: int, world: int, step, data, eager_training) -> list[bool]:
+    """``step`` on this rank's part of each batch, eager on the whole batch beside; whether
+    each step's update overlapped the backward."""
+    reference, ref_opt, ref_sched = eager_training
+    per_rank = GLOBAL_BATCH // world
+    overlapped = []
+    for x, y in data:
+        step(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+        overlapped.append(megacompile.last_report().optimizer["overlapped"])
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+    return overlapped
+
+
+def accumulate_clip_and_step(rank: int, world: int, compiled, data, training, eager_training,
+                             no_sync_steps=None, after_backward=None) -> float:
+    """Steps of two micro-batches each (the first under no_sync in ``no_sync_steps``, None:
+    every step), clipping on the global norm, the optimizer and scheduler after the backward;
+    eager on the global batch beside. ``after_backward()`` is called after each backward.
+    Returns the largest difference of an averaged gradient from eager's (AdamW and clipping
+    would hide a wrong scale)."""
+    (model, opt, sched), (reference, ref_opt, ref_sched) = training, eager_training
+    per_rank = GLOBAL_BATCH // world
+    grad_diff = 0.0
+    for i, (x, y) in enumerate(data):
+        xs, ys = x[rank * per_rank:(rank + 1) * per_rank].chunk(2), y[rank * per_rank:(rank + 1) * per_rank].chunk(2)
+        local = no_sync_steps is None or i in no_sync_steps
+        with megacompile.no_sync(model) if local else contextlib.nullcontext():
+            (F.mse_loss(compiled(xs[0]), ys[0]) / 2).backward()
+        if after_backward is not None:
+            after_backward()
+        (F.mse_loss(compiled(xs[1]), ys[1]) / 2).backward()
+        if after_backward is not None:
+            after_backward()
+        # Eager on the global batch: each micro-batch is every rank's k-th micro-batch.
+        for k in range(2):
+            idx = torch.cat([torch.arange(r * per_rank, (r + 1) * per_rank).chunk(2)[k] for r in range(world)])
+            (F.mse_loss(reference(x[idx]), y[idx]) / 2).backward()
+        grad_diff = max(grad_diff, max((p.grad - q.grad).abs().max().item()
+                                       for p, q in zip(model.parameters(), reference.parameters())))
+        for m, o, s in ((model, opt, sched), (reference, ref_opt, ref_sched)):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+            s.step()
+            o.zero_grad()
+    return grad_diff
 
 
 def accumulate_and_clip(rank: int, world: int) -> dict:
@@ -101,25 +170,8 @@ def accumulate_and_clip(rank: int, world: int) -> dict:
     model, reference, opt, sched, ref_opt, ref_sched = new_training(shard_optimizer=True)
     shared = parameters_shared(model, rank)
     compiled = torch.compile(model, backend="megatrain", options=OPTIONS)
-    per_rank = GLOBAL_BATCH // world
-    grad_diff = 0.0
-    for x, y in batches(3, seed=1):
-        xs, ys = x[rank * per_rank:(rank + 1) * per_rank].chunk(2), y[rank * per_rank:(rank + 1) * per_rank].chunk(2)
-        with megacompile.no_sync(model):
-            (F.mse_loss(compiled(xs[0]), ys[0]) / 2).backward()
-        (F.mse_loss(compiled(xs[1]), ys[1]) / 2).backward()
-        # Eager on the global batch: each micro-batch is every rank's k-th micro-batch.
-        for k in range(2):
-            idx = torch.cat([torch.arange(r * per_rank, (r + 1) * per_rank).chunk(2)[k] for r in range(world)])
-            (F.mse_loss(reference(x[idx]), y[idx]) / 2).backward()
-        # The averaged gradient itself (AdamW and clipping would hide a wrong scale).
-        grad_diff = max(grad_diff, max((p.grad - q.grad).abs().max().item()
-                                       for p, q in zip(model.parameters(), reference.parameters())))
-        for m, o, s in ((model, opt, sched), (reference, ref_opt, ref_sched)):
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
-            o.step()
-            s.step()
-            o.zero_grad()
+    grad_diff = accumulate_clip_and_step(rank, world, compiled, batches(3, seed=1), (model, opt, sched),
+                                         (reference, ref_opt, ref_sched))
     report = megacompile.last_report()
     return compiled, {"max_diff": max_diff(model, reference), "grad_diff": grad_diff,
                       "same_on_every_rank": same_on_every_rank(model),
@@ -134,19 +186,6 @@ def overlapped_and_resumed(rank: int, world: int, outdir: str) -> tuple[dict, ob
     fresh model that goes on as the original does, and into a one-rank job."""
     model, reference, opt, sched, ref_opt, ref_sched = new_training(seed=3, shard_optimizer=True, shared_memory=False)
     shared = parameters_shared(model, rank)
-    options = {**OPTIONS, "overlap_optimizer": True}
-
-    def compiled_step_for(m, o, s):
-        @torch.compile(backend="megatrain", options=options)
-        def step(x, y):
-            loss = F.mse_loss(m(x), y)
-            loss.backward()
-            o.step()
-            s.step()
-            o.zero_grad()
-            return loss.detach()
-        return step
-
     step = compiled_step_for(model, opt, sched)
     per_rank = GLOBAL_BATCH // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -203,48 +242,18 @@ def averaged_on_the_device(rank: int, world: int) -> dict:
     then the whole step compiled with the optimizer overlapped and sharded."""
     model, reference, opt, sched, ref_opt, ref_sched = new_training(seed=5, reduce_gradients_on="device")
     compiled = torch.compile(model, backend="megatrain", options=OPTIONS)
-    per_rank = GLOBAL_BATCH // world
-    grad_diff, reports = 0.0, []
-    for i, (x, y) in enumerate(batches(3, seed=4)):
-        xs, ys = x[rank * per_rank:(rank + 1) * per_rank].chunk(2), y[rank * per_rank:(rank + 1) * per_rank].chunk(2)
-        with megacompile.no_sync(model) if i == 2 else contextlib.nullcontext():
-            (F.mse_loss(compiled(xs[0]), ys[0]) / 2).backward()
-        reports.append(megacompile.last_report().data_parallel)
-        (F.mse_loss(compiled(xs[1]), ys[1]) / 2).backward()
-        reports.append(megacompile.last_report().data_parallel)
-        for k in range(2):
-            idx = torch.cat([torch.arange(r * per_rank, (r + 1) * per_rank).chunk(2)[k] for r in range(world)])
-            (F.mse_loss(reference(x[idx]), y[idx]) / 2).backward()
-        grad_diff = max(grad_diff, max((p.grad - q.grad).abs().max().item()
-                                       for p, q in zip(model.parameters(), reference.parameters())))
-        for m, o, s in ((model, opt, sched), (reference, ref_opt, ref_sched)):
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
-            o.step()
-            s.step()
-            o.zero_grad()
+    reports = []
+    grad_diff = accumulate_clip_and_step(
+        rank, world, compiled, batches(3, seed=4), (model, opt, sched), (reference, ref_opt, ref_sched),
+        no_sync_steps={2}, after_backward=lambda: reports.append(megacompile.last_report().data_parallel))
     out = {"grad_diff": grad_diff, "max_diff": max_diff(model, reference),
            "same_on_every_rank": same_on_every_rank(model), "reports": reports}
 
     model, reference, opt, sched, ref_opt, ref_sched = new_training(seed=6, shard_optimizer=True,
                                                                     reduce_gradients_on="device")
 
-    @torch.compile(backend="megatrain", options={**OPTIONS, "overlap_optimizer": True})
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    overlapped = []
-    for x, y in batches(4, seed=8):
-        step(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
-        overlapped.append(megacompile.last_report().optimizer["overlapped"])
-        F.mse_loss(reference(x), y).backward()
-        ref_opt.step()
-        ref_sched.step()
-        ref_opt.zero_grad()
+    overlapped = train_overlapped(rank, world, compiled_step_for(model, opt, sched), batches(4, seed=8),
+                                  (reference, ref_opt, ref_sched))
     report = megacompile.last_report()
     out["overlapped"] = {"overlapped": overlapped, "max_diff": max_diff(model, reference),
                          "same_on_every_rank": same_on_every_rank(model), "report": report.data_parallel,
@@ -284,55 +293,14 @@ def two_hosts(rank: int, world: int) -> dict:
     after the backward), then the whole step compiled with the update overlapped, per layer."""
     model, reference, opt, sched, ref_opt, ref_sched = new_training(seed=9, shard_optimizer=True)
     # A write by rank 0 reaches rank 1 (same host) through memory, not rank 2 or 3.
-    p = next(iter(model.parameters()))
-    old = p.detach()[0, 0].item()
-    dist.barrier()
-    if rank == 0:
-        with torch.no_grad():
-            p[0, 0] = 1234.5
-    dist.barrier()
-    seen = [int(p.detach()[0, 0].item() == 1234.5)]
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, seen[0])
-    dist.barrier()
-    if rank == 0:
-        with torch.no_grad():
-            p[0, 0] = old
-    dist.barrier()
+    everyone = who_sees_rank0s_write(model, rank, world)
     compiled = torch.compile(model, backend="megatrain", options=OPTIONS)
-    per_rank = GLOBAL_BATCH // world
-    for x, y in batches(2, seed=10):
-        xs, ys = x[rank * per_rank:(rank + 1) * per_rank].chunk(2), y[rank * per_rank:(rank + 1) * per_rank].chunk(2)
-        with megacompile.no_sync(model):
-            (F.mse_loss(compiled(xs[0]), ys[0]) / 2).backward()
-        (F.mse_loss(compiled(xs[1]), ys[1]) / 2).backward()
-        for k in range(2):
-            idx = torch.cat([torch.arange(r * per_rank, (r + 1) * per_rank).chunk(2)[k] for r in range(world)])
-            (F.mse_loss(reference(x[idx]), y[idx]) / 2).backward()
-        for m, o, s in ((model, opt, sched), (reference, ref_opt, ref_sched)):
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
-            o.step()
-            s.step()
-            o.zero_grad()
+    accumulate_clip_and_step(rank, world, compiled, batches(2, seed=10), (model, opt, sched),
+                             (reference, ref_opt, ref_sched))
     eager_loop = {"max_diff": max_diff(model, reference), "same_on_every_rank": same_on_every_rank(model)}
 
-    @torch.compile(backend="megatrain", options={**OPTIONS, "overlap_optimizer": True})
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    overlapped = []
-    for x, y in batches(3, seed=11):
-        step(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
-        overlapped.append(megacompile.last_report().optimizer["overlapped"])
-        F.mse_loss(reference(x), y).backward()
-        ref_opt.step()
-        ref_sched.step()
-        ref_opt.zero_grad()
+    overlapped = train_overlapped(rank, world, compiled_step_for(model, opt, sched), batches(3, seed=11),
+                                  (reference, ref_opt, ref_sched))
     return {"seen_rank0_write": everyone, "eager_loop": eager_loop, "overlapped": overlapped,
             "max_diff": max_diff(model, reference), "same_on_every_rank": same_on_every_rank(model),
             "report": megacompile.last_report().data_parallel, "state_bytes": state_bytes(opt),

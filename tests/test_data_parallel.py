@@ -45,15 +45,15 @@ def _env(rank: int, world: int, port: int) -> dict:
             "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Both ranks' results of tests/data_parallel_worker.py (one job for every scenario: a
-    process start and a compile are most of the time)."""
-    outdir = tmp_path_factory.mktemp("dp")
+def _run_job(outdir, world: int, mode: list[str], host_of=None):
+    """tests/data_parallel_worker.py on ``world`` ranks (as torchrun starts them, ``host_of(r)``:
+    the rank's ``MEGACOMPILE_HOST_ID``): each rank's result, exit codes and output."""
     port = _free_port()
     worker = str(ROOT / "tests" / "data_parallel_worker.py")
-    procs = [subprocess.Popen([sys.executable, worker, str(outdir)], env=_env(r, 2, port), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, worker, str(outdir), *mode],
+                              env={**_env(r, world, port), **({"MEGACOMPILE_HOST_ID": host_of(r)} if host_of else {})},
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
     logs = []
     try:
         for p in procs:
@@ -61,13 +61,20 @@ def two_ranks(tmp_path_factory):
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail("the two-rank job hung past its timeout")
+        pytest.fail(f"the {world}-rank job hung past its timeout")
     results = []
-    for rank in range(2):
+    for rank in range(world):
         path = outdir / f"rank{rank}.json"
         assert path.exists(), f"rank {rank} wrote no result:\n{logs[rank][-4000:]}"
         results.append(json.loads(path.read_text()))
     return results, [p.returncode for p in procs], logs
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both ranks' results of tests/data_parallel_worker.py (one job for every scenario: a
+    process start and a compile are most of the time)."""
+    return _run_job(tmp_path_factory.mktemp("dp"), 2, [])
 
 
 def test_accumulation_clipping_and_no_sync_match_the_global_batch(two_ranks):
@@ -176,26 +183,8 @@ def test_a_rank_that_dies_fails_the_other_with_a_clear_error(two_ranks):
 def two_hosts(tmp_path_factory):
     """Four ranks of tests/data_parallel_worker.py (mode two_hosts), two per host
     (``MEGACOMPILE_HOST_ID``; the test machine's shared memory stands in for each host's)."""
-    outdir = tmp_path_factory.mktemp("dp_hosts")
-    port = _free_port()
-    worker = str(ROOT / "tests" / "data_parallel_worker.py")
-    procs = [subprocess.Popen([sys.executable, worker, str(outdir), "two_hosts"],
-                              env={**_env(r, 4, port), "MEGACOMPILE_HOST_ID": f"host{r // 2}"}, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=LAUNCH_TIMEOUT)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail("the four-rank job hung past its timeout")
-    results = []
-    for rank in range(4):
-        path = outdir / f"rank{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no result:\n{logs[rank][-4000:]}"
-        results.append(json.loads(path.read_text())["two_hosts"])
-    return results
+    results, _, _ = _run_job(tmp_path_factory.mktemp("dp_hosts"), 4, ["two_hosts"], host_of=lambda r: f"host{r // 2}")
+    return [r["two_hosts"] for r in results]
 
 
 def test_each_host_keeps_one_copy_and_updates_cross_hosts_once(two_hosts):
