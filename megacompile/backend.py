@@ -173,12 +173,17 @@ def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, n
         # the op lists of the device that runs the program (core/autocast_lists.py) while
         # AOTAutograd traces it below.
         compat.wrap_in_autocast(gm, "cpu", opts.autocast_dtype)
+    # The step's own `with torch.autocast("cuda")` regions (a user moving from a GPU training
+    # loop): traced as CPU autocast regions following CUDA's op lists, which is what they
+    # compute on a GPU. Left as they were, CUDA autocast would cast nothing on host tensors.
+    user_cuda_autocast = compat.retarget_autocast_regions(gm, "cuda")
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
     compiler.captured_snapshots = captured.snapshots
     log.info("%s: compiling a graph of %d nodes (%d parameters) for %s; capturing it with AOTAutograd",
              compiler.record.label, len(gm.graph.nodes), roles.count("param"), opts.device)
     try:
-        lists = autocast_lists_for(opts.traced_autocast_lists if opts.autocast_dtype is not None else "cpu")
+        lists = autocast_lists_for("cuda" if user_cuda_autocast else
+                                   opts.traced_autocast_lists if opts.autocast_dtype is not None else "cpu")
         with compat.invoke_subgraph_schema_memo(), cycle_collector_paused(), lists:
             compiled = compat.aot_module_simplified(
                 gm, example_inputs,

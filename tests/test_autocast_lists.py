@@ -164,3 +164,40 @@ def test_bad_autocast_lists_option_says_what_to_use():
         parse_options({"autocast_lists": "rocm"})
     assert parse_options({"device": "cpu"}).traced_autocast_lists == "cpu"
     assert parse_options({"device": "cpu", "autocast_lists": "cuda"}).traced_autocast_lists == "cuda"
+
+
+def test_a_steps_own_cuda_autocast_region_computes_what_it_computes_on_a_gpu():
+    """A step written for a GPU, ``with torch.autocast("cuda", dtype=torch.bfloat16):`` around
+    its forward, precision left at fp32: megatrain traces on host tensors, where CUDA autocast
+    would cast nothing and the step would silently run in fp32. The region is traced as a CPU
+    autocast region following CUDA's lists: bitwise eager under those lists, not fp32."""
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
+    torch.manual_seed(0)
+    model = ctor()
+    reference, fp32 = copy.deepcopy(model), copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "overlap_optimizer": True, "disable_passes": ["fuse_lm_head"]})
+    ref_step, ref_opt = make_training_step(reference, loss_fn)
+    _megatrain_optimizer_arithmetic(ref_opt)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(3):
+        x, y = make_batch(gen)
+        got = compiled(x, y)  # (CPU-only torch warns that it disables CUDA autocast: not here)
+        with cuda_autocast_lists(), torch.autocast("cpu", dtype=torch.bfloat16):
+            want = ref_step(x, y)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"step {i}: {m}")
+        if i == 0:
+            with torch.no_grad():
+                assert abs(got.item() - loss_fn(fp32(x), y).item()) > 1e-5  # bf16 really ran
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

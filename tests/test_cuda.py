@@ -346,3 +346,33 @@ def test_two_gpus_average_gradients_with_nccl_or_gloo_like_the_global_batch(redu
     assert "parity with eager on the global batch" in done.stdout
     # The report of the last step says where the gradients were averaged.
     assert f"reduced on the {reduce_on}" in done.stdout, done.stdout[-3000:]
+
+
+def test_cuda_a_steps_own_cuda_autocast_region_runs_in_bf16():
+    """A GPU training loop's own ``with torch.autocast("cuda", dtype=torch.bfloat16):``, precision
+    left at fp32: the step computes what the resident model computes under that autocast (the
+    region is traced as CPU autocast following CUDA's lists), not the fp32 step."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
+    torch.manual_seed(0)
+    model = ctor()
+    reference, fp32 = copy.deepcopy(model).cuda(), copy.deepcopy(model).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend="megatrain", options={"device": "cuda", "lowering": "eager"})
+    x, y = make_batch(torch.Generator().manual_seed(1))
+    got = compiled(x, y).item()
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            want = loss_fn(reference(x.cuda()), y.cuda()).item()
+        full = loss_fn(fp32(x.cuda()), y.cuda()).item()
+    assert abs(got - want) <= 2e-5 * abs(want), (got, want)
+    assert abs(got - full) > 5e-6 * abs(full), (got, full)

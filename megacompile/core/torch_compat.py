@@ -69,6 +69,21 @@ def wrap_in_autocast(gm: fx.GraphModule, device_type: str, dtype: torch.dtype) -
     gm.recompile()
 
 
+def retarget_autocast_regions(gm: fx.GraphModule, device_type: str = "cuda") -> bool:
+    """Makes the step's own ``with torch.autocast("cuda", ...)`` regions (Dynamo records them as
+    ``_enter_autocast`` nodes) CPU autocast regions, since the trace runs on host tensors, where
+    CUDA autocast casts nothing (the caller traces them under CUDA's op lists). Whether there
+    were any."""
+    found = False
+    for node in gm.graph.find_nodes(op="call_function", target=_enter_autocast):
+        if node.args and node.args[0] == device_type:
+            node.args = ("cpu", *node.args[1:])
+            found = True
+    if found:
+        gm.recompile()
+    return found
+
+
 # --- AOTAutograd ------------------------------------------------------------------------
 from torch._functorch import partitioners as _partitioners  # noqa: E402
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402,F401
