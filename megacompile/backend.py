@@ -177,6 +177,13 @@ def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, n
     # loop): traced as CPU autocast regions following CUDA's op lists, which is what they
     # compute on a GPU. Left as they were, CUDA autocast would cast nothing on host tensors.
     user_cuda_autocast = compat.retarget_autocast_regions(gm, "cuda")
+    # Called inside the caller's own `with torch.autocast("cuda")` (a compiled model in a GPU
+    # loop): the whole graph is such a region. (The programs run with autocast off: their
+    # casts are explicit.)
+    ambient = compat.ambient_cuda_autocast_dtype()
+    if ambient is not None:
+        compat.wrap_in_autocast(gm, "cpu", ambient)
+        user_cuda_autocast = True
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
     compiler.captured_snapshots = captured.snapshots
     log.info("%s: compiling a graph of %d nodes (%d parameters) for %s; capturing it with AOTAutograd",

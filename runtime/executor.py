@@ -519,7 +519,10 @@ class StreamingProgram:
         program_range = profiler_ranges.ProfilerRange("graphs", self.label) if profiler_ranges.profiling() else None
         failed = False
         try:
-            outputs = self._run(args, sink, recorder, program_range is not None)
+            # The casts autocast would make are in the program already; a caller's autocast
+            # context must not cast its ops again (an op the trace kept in fp32 would change).
+            with compat.autocast_disabled():
+                outputs = self._run(args, sink, recorder, program_range is not None)
             if self.on_outputs is not None:
                 self.on_outputs(outputs)
             return outputs

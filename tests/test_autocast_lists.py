@@ -201,3 +201,35 @@ def test_a_steps_own_cuda_autocast_region_computes_what_it_computes_on_a_gpu():
                 assert abs(got.item() - loss_fn(fp32(x), y).item()) > 1e-5  # bf16 really ran
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_a_model_called_inside_the_callers_cuda_autocast_computes_in_bf16():
+    """``with torch.autocast("cuda"): out = compiled_model(x)`` in a GPU loop: Dynamo compiles
+    the model without recording the caller's autocast. megatrain traces the whole graph as
+    such a region (CUDA's lists), and its programs run with autocast off. The caller's CUDA
+    autocast is set by hand here (on a CPU-only torch the context manager disables itself)."""
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
+    torch.manual_seed(0)
+    model = ctor()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "disable_passes": ["fuse_lm_head"]})
+    x, y = make_batch(torch.Generator().manual_seed(1))
+    previous = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    try:
+        logits = compiled(x)
+    finally:
+        torch.set_autocast_enabled("cuda", previous[0])
+        torch.set_autocast_dtype("cuda", previous[1])
+    loss = loss_fn(logits.float(), y)
+    loss.backward()
+    with cuda_autocast_lists(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_logits = reference(x)
+    ref_loss = loss_fn(ref_logits.float(), y)
+    ref_loss.backward()
+    assert logits.dtype == torch.bfloat16  # the head ran in bf16, as on a GPU
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

@@ -376,3 +376,26 @@ def test_cuda_a_steps_own_cuda_autocast_region_runs_in_bf16():
         full = loss_fn(fp32(x.cuda()), y.cuda()).item()
     assert abs(got - want) <= 2e-5 * abs(want), (got, want)
     assert abs(got - full) > 5e-6 * abs(full), (got, full)
+
+
+def test_cuda_a_model_called_inside_cuda_autocast_runs_in_bf16():
+    """``with torch.autocast("cuda"): loss = loss_fn(compiled_model(x), y)``: the model's
+    program computes what the resident model computes under that autocast, and the backward
+    gives its gradients (the program runs with autocast off: its casts are explicit)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
+    torch.manual_seed(0)
+    model = ctor()
+    reference = copy.deepcopy(model).cuda()
+    compiled = torch.compile(model, backend="megatrain", options={"device": "cuda", "lowering": "eager"})
+    x, y = make_batch(torch.Generator().manual_seed(1))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = compiled(x)
+        ref_logits = reference(x.cuda())
+    assert logits.dtype == ref_logits.dtype == torch.bfloat16
+    loss, ref_loss = loss_fn(logits.float(), y), loss_fn(ref_logits.float(), y.cuda())
+    assert abs(loss.item() - ref_loss.item()) <= 2e-5 * abs(ref_loss.item()), (loss.item(), ref_loss.item())
+    loss.backward()
+    ref_loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad.cpu(), rtol=2e-2, atol=2e-3)

@@ -84,6 +84,17 @@ def retarget_autocast_regions(gm: fx.GraphModule, device_type: str = "cuda") -> 
     return found
 
 
+def ambient_cuda_autocast_dtype() -> torch.dtype | None:
+    """The dtype of a ``torch.autocast("cuda")`` the caller is inside of (Dynamo compiles a
+    function called in one without recording it in the graph), or None."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+
+
+def autocast_disabled():
+    """A context where no autocast (any device) applies: a program whose casts are explicit."""
+    return torch._C._DisableAutocast()
+
+
 # --- AOTAutograd ------------------------------------------------------------------------
 from torch._functorch import partitioners as _partitioners  # noqa: E402
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402,F401
