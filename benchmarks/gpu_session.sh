@@ -5,8 +5,10 @@
 #   bash benchmarks/gpu_session.sh [first|second|peers]
 #
 # "first" (default, about 9 minutes on an H100; give the device call timeout_s 600):
-#   1. tests/test_cuda.py: the CUDA path after the changes made without a GPU (loads allocated on
-#      the compute stream, merge_compute_runs, offload arenas, weight copies);
+#   1. tests/test_cuda.py, the CUDA autocast ones first (the step traced with CUDA's lists, a step's
+#      own and a caller's torch.autocast("cuda")), then the rest: the CUDA path after the changes
+#      made without a GPU (loads allocated on the compute stream, merge_compute_runs, offload
+#      arenas, gradient landing buffers, weight copies);
 #   2. benchmarks/bf16_autocast_policy.py: first losses under CUDA's autocast lists (issue 17, item 2);
 #      benchmarks/host_thread_ops.py on CUDA: ops run one by one and the host thread's busy share,
 #      merge_compute_runs on and off;
@@ -38,8 +40,9 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, n
 }
 nvidia-smi -L
 if [ "$part" = first ]; then
-    step test_cuda 280 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -x
-    step bf16_autocast_policy 50 "$PY" benchmarks/bf16_autocast_policy.py --out "$OUT/bf16_autocast_policy.txt"
+    step test_cuda_autocast 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "autocast or flash_pair"
+    step test_cuda 190 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -x -k "not autocast and not flash_pair"
+    step bf16_autocast_policy 40 "$PY" benchmarks/bf16_autocast_policy.py --out "$OUT/bf16_autocast_policy.txt"
     step host_thread_ops 90 "$PY" benchmarks/host_thread_ops.py --device cuda --layers 4 --hidden 1024 \
         --seq 1024 --batch 4 --budget-fractions 1.0 0.45 --out "$OUT/host_thread_ops.txt"
     step peers_8_layers 170 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
