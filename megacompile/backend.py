@@ -189,8 +189,9 @@ def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, n
     log.info("%s: compiling a graph of %d nodes (%d parameters) for %s; capturing it with AOTAutograd",
              compiler.record.label, len(gm.graph.nodes), roles.count("param"), opts.device)
     try:
-        lists = autocast_lists_for("cuda" if user_cuda_autocast else
-                                   opts.traced_autocast_lists if opts.autocast_dtype is not None else "cpu")
+        # Any autocast in the trace (precision="bf16", the step's own or the caller's regions)
+        # follows the lists of the device that runs the program (option autocast_lists).
+        lists = autocast_lists_for("cuda" if user_cuda_autocast else opts.traced_autocast_lists)
         with compat.invoke_subgraph_schema_memo(), cycle_collector_paused(), lists:
             compiled = compat.aot_module_simplified(
                 gm, example_inputs,

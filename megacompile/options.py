@@ -77,10 +77,12 @@ class Options:
     # the step does not fit memory_budget without it; then the planner picks the fewest chunks
     # whose plan fits. An int: every run is chunked into that many chunks.
     token_chunks: int | str = "auto"
-    # Under precision="bf16": whose autocast op lists decide which ops run in bf16 and which
-    # in fp32 (core/autocast_lists.py). "device": those of the device the program runs on
-    # (CUDA's on "cuda", so a step computes what torch.autocast("cuda") computes; CPU's on the
-    # stand-in); "cuda" or "cpu": those, on any device (the stand-in with CUDA's numerics).
+    # Under autocast (precision="bf16", or the step's or its caller's torch.autocast): whose op
+    # lists decide which ops run in bf16 and which in fp32 (core/autocast_lists.py). "device":
+    # those of the device the program runs on (CUDA's on "cuda", so a step computes what
+    # torch.autocast("cuda") computes; CPU's on the stand-in); "cuda" or "cpu": those, on any
+    # device (the stand-in with CUDA's numerics). A torch.autocast("cuda") region follows
+    # CUDA's lists whatever this says.
     autocast_lists: str = "device"
 
     def fused_head_chunk_tokens(self, vocab: int) -> int:

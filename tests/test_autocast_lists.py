@@ -7,6 +7,7 @@ fake CUDA tensors (no GPU needed: the kernels are in every build; fake tensors a
 nothing). Then a bf16 GPT trained by megatrain with ``autocast_lists="cuda"`` is bitwise equal
 to eager under the same lists (and differs from CPU's lists: its softmax runs in fp32).
 """
+import contextlib
 import copy
 
 import pytest
@@ -231,5 +232,30 @@ def test_a_model_called_inside_the_callers_cuda_autocast_computes_in_bf16():
     ref_loss.backward()
     assert logits.dtype == torch.bfloat16  # the head ran in bf16, as on a GPU
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lists", ["cuda", "device"])
+def test_a_callers_cpu_autocast_follows_the_devices_lists(lists):
+    """A model called inside ``torch.autocast("cpu")`` (what accelerate wraps a host-side
+    Trainer's forward in under ``bf16=True``): traced under that autocast with the lists the
+    option names ("device" on the stand-in: CPU's), run with autocast off."""
+    ctor, make_batch, loss_fn = REFERENCE_MODELS["gpt"]
+    torch.manual_seed(0)
+    model = ctor()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "autocast_lists": lists, "disable_passes": ["fuse_lm_head"]})
+    x, y = make_batch(torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = compiled(x)
+    with cuda_autocast_lists() if lists == "cuda" else contextlib.nullcontext(), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_logits = reference(x)
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    loss_fn(logits.float(), y).backward()
+    loss_fn(ref_logits.float(), y).backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
