@@ -190,8 +190,10 @@ def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, n
              compiler.record.label, len(gm.graph.nodes), roles.count("param"), opts.device)
     try:
         # Any autocast in the trace (precision="bf16", the step's own or the caller's regions)
-        # follows the lists of the device that runs the program (option autocast_lists).
-        lists = autocast_lists_for("cuda" if user_cuda_autocast else opts.traced_autocast_lists)
+        # follows the lists of the device that runs the program (option autocast_lists); a
+        # trace without autocast leaves the dispatcher alone.
+        lists = autocast_lists_for("cuda" if user_cuda_autocast else opts.traced_autocast_lists
+                                   if compat.traces_under_autocast(gm) else "cpu")
         with compat.invoke_subgraph_schema_memo(), cycle_collector_paused(), lists:
             compiled = compat.aot_module_simplified(
                 gm, example_inputs,

@@ -84,6 +84,13 @@ def retarget_autocast_regions(gm: fx.GraphModule, device_type: str = "cuda") -> 
     return found
 
 
+def traces_under_autocast(gm: fx.GraphModule) -> bool:
+    """Whether AOTAutograd's trace of ``gm`` runs any op under autocast: the graph opens an
+    autocast region, or the caller's CPU autocast is on."""
+    return torch.is_autocast_enabled("cpu") or any(
+        True for _ in gm.graph.find_nodes(op="call_function", target=_enter_autocast))
+
+
 def ambient_cuda_autocast_dtype() -> torch.dtype | None:
     """The dtype of a ``torch.autocast("cuda")`` the caller is inside of (Dynamo compiles a
     function called in one without recording it in the graph), or None."""
