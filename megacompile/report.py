@@ -76,7 +76,7 @@ class StepReport:
     gradient_landing_bytes: int = 0
     # A data-parallel model (megacompile.data_parallel): runtime.data_parallel.DataParallelStats
     # as a dict (world_size, rank, synced, buckets, reduced_bytes, exposed_seconds,
-    # sharded_optimizer, shared_parameters, reduced_on, reduced_on_why, device_reductions,
+    # sharded_optimizer, shared_parameters, hosts, reduced_on, reduced_on_why, device_reductions,
     # device_reduced_bytes); None otherwise.
     data_parallel: dict | None = None
 
@@ -126,7 +126,8 @@ class StepReport:
                 f"{d['exposed_seconds'] * 1e3:.1f} ms waited at the end"
                 + (f" (reduced on the {d['reduced_on']}: {d['reduced_on_why']})" if d.get("reduced_on_why") else "")
                 + ("; optimizer state sharded" if d["sharded_optimizer"] else "")
-                + ("; parameters shared by the host's ranks" if d["shared_parameters"] else "") if d["synced"]
+                + (f"; parameters: one copy per host ({d.get('hosts', 1)} host(s)), shared by its ranks"
+                   if d["shared_parameters"] else "") if d["synced"]
                 else f"  data parallel        rank {d['rank']} of {d['world_size']}: no_sync (gradients kept local)")
         if self.segments is not None and self.lowering == "inductor":
             lines.append(f"  compiled segments    {self.segments['compiled']} distinct, "

@@ -43,6 +43,7 @@ class DataParallelStats:
     exposed_seconds: float = 0.0  # the backward's wait for reductions still running at its end
     sharded_optimizer: bool = False
     shared_parameters: bool = False  # one copy per host, in shared memory (runtime/shared_parameters.py)
+    hosts: int = 1  # hosts the ranks run on
     # Where this backward averaged gradients ("host" or "device") and why; the host path's
     # buckets and bytes are above, the device path's all-reduces (one per gradient) here.
     reduced_on: str = "host"
@@ -197,7 +198,7 @@ class GradientReducer:
         # This backward's gradients are averaged on the device as they are offloaded.
         self.on_device = on_device and group.device_group is not None
         self.stats = DataParallelStats(group.world_size, group.rank, sharded_optimizer=group.shards_optimizer,
-                                       shared_parameters=group.shared_parameters,
+                                       shared_parameters=group.shared_parameters, hosts=group.nodes,
                                        reduced_on="device" if self.on_device else "host", reduced_on_why=why)
         self._lock = threading.Lock()
 

@@ -191,7 +191,7 @@ def test_each_host_keeps_one_copy_and_updates_cross_hosts_once(two_hosts):
     for rank, r in enumerate(two_hosts):
         # Rank 0's write is what its host's other rank reads; the other host has its own copy.
         assert r["seen_rank0_write"] == [1, 1, 0, 0], rank
-        assert r["report"]["shared_parameters"]
+        assert r["report"]["shared_parameters"] and r["report"]["hosts"] == 2
         # Trained like eager on the global batch, the same on all four ranks: the hosts'
         # leaders carried each host's owners' updates to the other host.
         assert r["eager_loop"]["max_diff"] <= PARAM_ATOL and r["eager_loop"]["same_on_every_rank"], rank

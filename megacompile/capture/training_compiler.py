@@ -368,7 +368,7 @@ class TrainingCompiler:
         if group is not None:
             RECORDER.data_parallel_decided(None if syncing else DataParallelStats(
                 group.world_size, group.rank, synced=group.sync, sharded_optimizer=group.shards_optimizer,
-                shared_parameters=group.shared_parameters))
+                shared_parameters=group.shared_parameters, hosts=group.nodes))
             if not group.sync:
                 group.local_accumulation = True  # this backward's gradients stay on this rank
         reducer = None
