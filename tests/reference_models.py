@@ -7,6 +7,7 @@ forces streaming (and, for the deeper ones, recompute).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -132,11 +133,15 @@ REFERENCE_MODELS = {
 }
 
 
-def make_training_step(model: nn.Module, loss_fn, lr: float = 1e-3, weight_decay: float = 0.01):
+def make_training_step(model: nn.Module, loss_fn, lr: float = 1e-3, weight_decay: float = 0.01,
+                       autocast: str | None = None):
+    """``step(x, y)``: AdamW after the backward. ``autocast``: the forward and loss inside the
+    step's own ``torch.autocast(autocast, dtype=torch.bfloat16)`` region (a GPU loop's)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
     def step(x, y):
-        loss = loss_fn(model(x), y)
+        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -176,16 +176,7 @@ def test_a_steps_own_cuda_autocast_region_computes_what_it_computes_on_a_gpu():
     torch.manual_seed(0)
     model = ctor()
     reference, fp32 = copy.deepcopy(model), copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-
-    def step(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step, _ = make_training_step(model, loss_fn, autocast="cuda")
     compiled = torch.compile(step, backend="megatrain", options={
         "device": "cpu", "lowering": "eager", "overlap_optimizer": True, "disable_passes": ["fuse_lm_head"]})
     ref_step, ref_opt = make_training_step(reference, loss_fn)

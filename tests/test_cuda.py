@@ -357,16 +357,7 @@ def test_cuda_a_steps_own_cuda_autocast_region_runs_in_bf16():
     torch.manual_seed(0)
     model = ctor()
     reference, fp32 = copy.deepcopy(model).cuda(), copy.deepcopy(model).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step, _ = make_training_step(model, loss_fn, autocast="cuda")
     compiled = torch.compile(step, backend="megatrain", options={"device": "cuda", "lowering": "eager"})
     x, y = make_batch(torch.Generator().manual_seed(1))
     got = compiled(x, y).item()
