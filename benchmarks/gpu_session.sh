@@ -50,6 +50,12 @@ step() {  # step NAME SECONDS COMMAND...: one check, its log in $OUT/NAME.log, n
     tail -n 25 /tmp/gpu_session_step.log
 }
 nvidia-smi -L
+# The device machine runs the checkout uninstalled: without pip's editable mapping, megacompile.passes and
+# megacompile.runtime (top-level passes/ and runtime/, see pyproject.toml) are reached through links.
+if ! "$PY" -c "import megacompile.passes, megacompile.runtime" 2>/dev/null; then
+    ln -sfn ../passes megacompile/passes && ln -sfn ../runtime megacompile/runtime
+    "$PY" -c "import megacompile.passes, megacompile.runtime" || exit 1
+fi
 if [ "$part" = first ]; then
     step test_cuda_autocast 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "autocast or flash_pair"
     step test_cuda 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -x -k "not autocast and not flash_pair"
