@@ -23,7 +23,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]  # run from a checkout, installed or not
 from reference_models import REFERENCE_MODELS, make_training_step, training_state_bytes  # noqa: E402
 
 import megacompile  # noqa: E402,F401

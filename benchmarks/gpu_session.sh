@@ -79,6 +79,16 @@ elif [ "$part" = closing ]; then
             --budget 60GiB --steps 3 --compare-unfused --out "$OUT/long_context_32k.txt"
     fi
     step bf16_autocast_policy 60 "$PY" benchmarks/bf16_autocast_policy.py --out "$OUT/bf16_autocast_policy.txt"
+elif [ "$part" = rerun ]; then
+    # The second call of 2026-11-26 (290 s left): what "closing" could not show. Before it, the command
+    # installs transformers 5.24 (the tests' pin; carried in .whl/) over the machine's 5.17, whose causal
+    # mask construction the mask elision does not follow (the mask stayed: 131k x 131k, 49 GiB).
+    DEADLINE=$(( $(date +%s) + 285 ))
+    step data_parallel_overhead 60 "$PY" benchmarks/data_parallel_overhead.py --device cuda --steps 15 \
+        --out "$OUT/data_parallel_overhead.txt"
+    step long_context_131k 200 "$PY" benchmarks/long_context.py --device cuda --layers 4 --seq 131072 \
+        --budget 60GiB --steps 3 --compare-unfused --out "$OUT/long_context_131k.txt"
+    step test_cuda_autocast 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "autocast or flash_pair"
 elif [ "$part" = peers ]; then
     # megatrain's own row comes from "first" on the same machine (its compile alone took 99 s).
     step peers_others 590 "$PY" benchmarks/peers.py --layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB \
