@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from megacompile.passes import (
     annotate,
+    canonical_operators,
     chunk_tokens,
     elide_causal_mask,
     fuse_lm_head,
@@ -25,8 +26,8 @@ from megacompile.passes import (
 from megacompile.passes.contract import PassContract, PassOrderError, check_order
 from megacompile.passes.manager import GraphSnapshot, PassContext, run_pipeline
 
-PASS_ORDER = (elide_causal_mask, fuse_lm_head, chunk_tokens, annotate, host_casts, resident_parameters, recompute,
-              stream_parameters, offload_gradients, merge_compute_runs)
+PASS_ORDER = (canonical_operators, elide_causal_mask, fuse_lm_head, chunk_tokens, annotate, host_casts,
+              resident_parameters, recompute, stream_parameters, offload_gradients, merge_compute_runs)
 check_order([p.CONTRACT for p in PASS_ORDER])
 
 __all__ = [

@@ -35,7 +35,8 @@ from megacompile.core.node_info import layer_of_module_path, normalize_module_pa
 from megacompile.core.torch_compat import NN_LINEAR
 from megacompile.passes.contract import PassContract
 
-CONTRACT = PassContract(name="chunk_tokens", stages=("dynamo",), uses=frozenset({"lm_head_fused"}),
+CONTRACT = PassContract(name="chunk_tokens", stages=("dynamo",),
+                        uses=frozenset({"lm_head_fused", "operators_canonical"}),
                         provides=frozenset({"tokens_chunked"}))
 
 NOTE_KEY = "megatrain_token_chunks"  # in node.meta["custom"]: why a layer's runs were left alone

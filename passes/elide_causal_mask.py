@@ -30,7 +30,8 @@ from megacompile.core.mask_interpreter import MaskInterpreter, example_tensor, s
 from megacompile.core.torch_compat import CPU_FLASH_ATTENTION
 from megacompile.passes.contract import PassContract
 
-CONTRACT = PassContract(name="elide_causal_mask", stages=("dynamo",), provides=frozenset({"causal_masks_elided"}))
+CONTRACT = PassContract(name="elide_causal_mask", stages=("dynamo",), provides=frozenset({"causal_masks_elided"}),
+                        uses=frozenset({"operators_canonical"}))
 
 NOTE_KEY = "megatrain_attention_mask"  # in node.meta["custom"] (AOTAutograd copies "custom" to the aten nodes)
 

@@ -38,7 +38,8 @@ from megacompile.core.torch_compat import NN_LINEAR, int_hint
 from megacompile.core.units import format_bytes
 from megacompile.passes.contract import PassContract
 
-CONTRACT = PassContract(name="fuse_lm_head", stages=("dynamo",), provides=frozenset({"lm_head_fused"}))
+CONTRACT = PassContract(name="fuse_lm_head", stages=("dynamo",), provides=frozenset({"lm_head_fused"}),
+                        uses=frozenset({"operators_canonical"}))
 
 NOTE_KEY = "megatrain_lm_head"  # in node.meta["custom"] (AOTAutograd copies "custom" to the aten nodes)
 

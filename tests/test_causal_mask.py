@@ -241,3 +241,74 @@ def test_arguments_in_an_unexpected_spelling_are_kept():
     out, notes, masks = _run_pass_only(fn, *_qkv())
     assert notes[0].startswith("kept:") and "not understood" in notes[0] and masks[0] is not None, notes
     torch.testing.assert_close(out, fn(*_qkv()), rtol=1e-6, atol=1e-6)
+
+
+def _as_dunder_methods(gm) -> int:
+    """Respells every ``call_function operator.X`` on a tensor as ``call_method __X__`` (``__rX__``
+    with the operands swapped where the tensor is second), as torch 2.11's Dynamo records them."""
+    from megacompile.passes.canonical_operators import METHODS
+
+    spelling = {(fn, swapped): name for name, (fn, _, swapped) in METHODS.items()}
+    respelled = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.kwargs or not isinstance(n.meta.get("example_value"), torch.Tensor):
+            continue
+        first_is_node = bool(n.args) and isinstance(n.args[0], torch.fx.Node)
+        name = spelling.get((n.target, not first_is_node))
+        if name is None:
+            continue
+        n.op, n.target = "call_method", name
+        if not first_is_node:
+            n.args = (n.args[1], n.args[0])
+        respelled += 1
+    gm.recompile()
+    return respelled
+
+
+def test_hf_mask_spelled_as_torch_2_11_traces_it_is_elided_after_canonical_operators():
+    """torch 2.11's Dynamo records ``a == b`` as ``call_method __eq__`` (seen on the H100 machine:
+    the mask was kept, "eq (call_method __eq__) is not understood"). The same graph respelled so:
+    the mask interpreter alone keeps the mask; canonical_operators first, and it is proven causal,
+    and the respelled and canonical graphs compute what Dynamo's graph does."""
+    from megacompile.passes import canonical_operators
+
+    torch.manual_seed(0)
+    model = _hf("llama").eval()
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    outcomes = {}
+
+    def backend(gm, example_inputs):
+        want = gm(*example_inputs)
+        respelled = _as_dunder_methods(gm)
+        assert respelled >= 3, respelled  # the mask's comparisons and logic at least
+        torch.testing.assert_close(gm(*example_inputs), want, rtol=0, atol=0)
+        import copy
+        alone = copy.deepcopy(gm)
+        elide_causal_mask.run(alone, None)
+        outcomes["alone"] = [n.meta["custom"][elide_causal_mask.NOTE_KEY] for n in _attention_ops(alone)]
+        canonical_operators.run(gm, None)
+        assert not any(n.op == "call_method" and n.target in canonical_operators.METHODS for n in gm.graph.nodes)
+        elide_causal_mask.run(gm, None)
+        outcomes["canonical"] = [n.meta["custom"][elide_causal_mask.NOTE_KEY] for n in _attention_ops(gm)]
+        torch.testing.assert_close(gm(*example_inputs), want, rtol=1e-6, atol=1e-6)  # is_causal=True: same attention
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(lambda t: model(input_ids=t).logits, backend=backend, fullgraph=True)(x)
+    assert len(outcomes["alone"]) == 2 and all(n.startswith("kept:") and "call_method __" in n
+                                               for n in outcomes["alone"]), outcomes["alone"]
+    assert len(outcomes["canonical"]) == 2 and all(n.startswith("causal:") for n in outcomes["canonical"])
+
+
+def test_canonical_operators_swaps_the_operands_of_reflected_methods():
+    from megacompile.passes import canonical_operators
+
+    graph = torch.fx.Graph()
+    a = graph.placeholder("a")
+    graph.output(graph.call_method("__rsub__", (a, 1.0)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    t = torch.tensor([3.0, 5.0])
+    assert torch.equal(gm(t), 1.0 - t)
+    canonical_operators.run(gm, None)
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert node.args == (1.0, a) and torch.equal(gm(t), 1.0 - t)
