@@ -84,21 +84,21 @@ def test_inspect_out_writes_one_file_per_snapshot(train_script, tmp_path, capsys
         f"only the training graph has forward/backward snapshots: {graph_dirs}"
     label = graph_dirs[0]
     names = sorted(os.listdir(out_dir / label))
-    # NN counts each snapshot's position in the graph's pipeline (dynamo 00-02 and joint 03-07
+    # NN counts each snapshot's position in the graph's pipeline (dynamo 00-03 and joint 04-08
     # are unselected).
     assert names == [
-        "08-forward-captured.py", "09-forward-annotate.py", "10-forward-host_casts.py",
-        "11-forward-stream_parameters.py", "12-forward-offload_gradients.py", "18-backward-offload_gradients.py",
+        "09-forward-captured.py", "10-forward-annotate.py", "11-forward-host_casts.py",
+        "12-forward-stream_parameters.py", "13-forward-offload_gradients.py", "19-backward-offload_gradients.py",
     ]
-    streamed = (out_dir / label / "11-forward-stream_parameters.py").read_text()
+    streamed = (out_dir / label / "12-forward-stream_parameters.py").read_text()
     assert streamed.splitlines()[0].startswith(
-        f"# megacompile inspect: {label} [11] forward / stream_parameters -- pass stream_parameters: created")
+        f"# megacompile inspect: {label} [12] forward / stream_parameters -- pass stream_parameters: created")
     assert "megatrain.load(" in streamed
-    assert "megatrain.offload(" in (out_dir / label / "18-backward-offload_gradients.py").read_text()
+    assert "megatrain.offload(" in (out_dir / label / "19-backward-offload_gradients.py").read_text()
 
     summary = (out_dir / "summary.txt").read_text()
     assert "policy keep" in summary and "megatrain step report" in summary
-    assert str(out_dir / label / "08-forward-captured.py") in summary
+    assert str(out_dir / label / "09-forward-captured.py") in summary
     # With --out, stdout has the summary only, not the graphs.
     assert "def program(" not in printed and "files:" in printed
 
@@ -115,7 +115,7 @@ def test_inspect_json_of_a_module(train_script, tmp_path, capsys, monkeypatch):
         assert [s["stage"] for s in stages[graph]] == ["captured", *passes]
     last_forward = stages["forward"][-1]
     assert last_forward["provenance"]["pass"] == "offload_gradients"
-    assert last_forward["file"] == f"{training['directory']}/12-forward-offload_gradients.py"
+    assert last_forward["file"] == f"{training['directory']}/13-forward-offload_gradients.py"
     assert "megatrain.load(" in last_forward["text"]
     assert "megatrain.offload(" in stages["backward"][-1]["text"]
     assert training["plan"]["peak_bytes"] > 0 and training["plan"]["reason"]
@@ -199,8 +199,8 @@ def test_snapshots_are_kept_for_inspect_only(setting, monkeypatch):
     record = next(r for r in COMPILED if r.backward is not None)
     stages = [(s.graph, s.stage) for s in record.snapshots]
     if setting in ("inspect", "on"):
-        assert stages[:4] == [("dynamo", "captured"), ("dynamo", "elide_causal_mask"), ("dynamo", "fuse_lm_head"),
-                              ("joint", "captured")]
+        assert stages[:5] == [("dynamo", "captured"), ("dynamo", "canonical_operators"),
+                              ("dynamo", "elide_causal_mask"), ("dynamo", "fuse_lm_head"), ("joint", "captured")]
         assert ("backward", "offload_gradients") in stages
     else:
         assert stages == []

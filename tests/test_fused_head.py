@@ -363,5 +363,5 @@ def test_inspect_shows_the_fusion_and_its_reason():
     fused = [n for n in record.forward.graph.nodes if n.target is fused_head.FORWARD]
     assert len(fused) == 1 and fused[0].meta["megatrain"].head_fusion.startswith("fused:")
     assert fused[0].meta["megatrain"].workspace_bytes == 4 * 11 * 4
-    assert [s.stage for s in record.snapshots if s.graph == "dynamo"] == ["captured", "elide_causal_mask",
-                                                                              "fuse_lm_head"]
+    assert [s.stage for s in record.snapshots if s.graph == "dynamo"] == ["captured", "canonical_operators",
+                                                                              "elide_causal_mask", "fuse_lm_head"]
