@@ -106,6 +106,9 @@ def main() -> int:
             per_step = {k: summary["instructions"].get(k, 0) / args.steps for k in kinds}
             lines.append(f"{'on' if merged else 'off':<20}" + "".join(f"{per_step[k]:>9.0f}" for k in kinds)
                          + f"{100 * summary['busy_fraction']:>7.0f}%  {plan.policy}")
+            lines.append(f"{'':<20}busy ms per step by kind: " + ", ".join(
+                f"{k} {t * 1e3 / args.steps:.1f}" for k, t in sorted(summary["busy_s_by_kind"].items(),
+                                                                     key=lambda kv: -kv[1])))
         ops = [rows[m][0]["instructions"].get("op", 0) / args.steps for m in (True, False)]
         same = all(a == b for a, b in zip(rows[True][1], rows[False][1]))
         lines += [f"ops run one by one per step: {ops[0]:.0f} with the pass, {ops[1]:.0f} without; "

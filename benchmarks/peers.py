@@ -196,6 +196,10 @@ def table(doc: dict) -> str:
             h = m["host_thread"]
             lines.append(f"megatrain host thread, one traced step: busy {h['busy_s']:.3f} s of {h['program_s']:.3f} s "
                          f"in its programs ({h['busy_fraction']:.0%}); instructions {h['instructions']}")
+            if h.get("busy_s_by_kind"):
+                lines.append("  busy by kind: " + ", ".join(
+                    f"{k} {t * 1e3:.0f} ms ({h['instructions'].get(k, 0)})"
+                    for k, t in sorted(h["busy_s_by_kind"].items(), key=lambda kv: -kv[1])))
         if ours.get("budget_bytes") and ours.get("allocated_peak_bytes"):
             lines.append(f"megatrain budget {ours['budget_bytes'] / GiB:.1f} GiB: allocated peak "
                          f"{ours['allocated_peak_bytes'] / ours['budget_bytes']:.2f}x, reserved peak "

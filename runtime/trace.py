@@ -68,6 +68,7 @@ class TraceRecorder:
         # The thread that runs the programs: its instructions by kind, and its time in them.
         self._instructions: collections.Counter = collections.Counter()
         self._instruction_ns = 0
+        self._instruction_ns_by_kind: collections.Counter = collections.Counter()
         self._program_ns = 0
 
     # --- recording --------------------------------------------------------------------------
@@ -100,6 +101,7 @@ class TraceRecorder:
         with self._lock:
             self._instructions[args["kind"]] += 1
             self._instruction_ns += max(end_ns - start_ns, 0)
+            self._instruction_ns_by_kind[args["kind"]] += max(end_ns - start_ns, 0)
         self.add(lane, name, start_ns, end_ns, args)
 
     def add_program(self, name: str, start_ns: int, end_ns: int, args: dict | None = None) -> None:
@@ -113,13 +115,16 @@ class TraceRecorder:
         inside forward / backward programs), ``busy_s`` (inside their instructions: launching
         ops and segments, issuing copies, host ops, waits; on CUDA the kernels and copies run
         asynchronously, so the rest of ``program_s`` is the thread waiting on the device or
-        on the host optimizer), ``busy_fraction``, and ``instructions`` run, by kind (``op``:
-        one aten op through Python dispatch; ``segment``: a compiled segment)."""
+        on the host optimizer), ``busy_fraction``, ``instructions`` run, by kind (``op``:
+        one aten op through Python dispatch; ``segment``: a compiled segment), and
+        ``busy_s_by_kind``: the thread's time in each kind (where the busy time goes: a kind
+        whose share is far above its count's is blocking, not launching)."""
         with self._lock:
             program = self._program_ns / 1e9
             busy = self._instruction_ns / 1e9
             return {"program_s": program, "busy_s": busy, "busy_fraction": busy / program if program else 0.0,
-                    "instructions": dict(self._instructions)}
+                    "instructions": dict(self._instructions),
+                    "busy_s_by_kind": {k: ns / 1e9 for k, ns in self._instruction_ns_by_kind.items()}}
 
     def add_cuda_copy(self, lane: str, name: str, args: dict, start_event, end_event) -> None:
         """A copy on a CUDA stream between two timing events, resolved when the trace is written."""

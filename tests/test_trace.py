@@ -142,6 +142,9 @@ def test_host_thread_summary_counts_what_the_programs_ran(tmp_path):
         assert counts.get(kind, 0) == memory[kind] * steps, kind
     assert 0 < summary["busy_s"] <= summary["program_s"]
     assert summary["busy_fraction"] == pytest.approx(summary["busy_s"] / summary["program_s"])
+    by_kind = summary["busy_s_by_kind"]
+    assert set(by_kind) == set(counts) and all(t > 0 for t in by_kind.values())
+    assert sum(by_kind.values()) == pytest.approx(summary["busy_s"])
 
 
 def test_tracing_off_records_nothing(tmp_path):
