@@ -64,6 +64,8 @@ def _workspace(node: fx.Node, options) -> int:
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
     if node.target is fused_head.FORWARD:
         hidden, weight, chunk, softcap, weight_grad = vals[0], vals[1], vals[4], vals[7], False
+    elif node.target is fused_head.FORWARD_WITH_GRADS:
+        hidden, weight, chunk, softcap, weight_grad = vals[0], vals[1], vals[4], vals[7], vals[9]
     else:
         hidden, weight, chunk, softcap, weight_grad = vals[1], vals[2], vals[6], vals[9], vals[10]
     triton = options.device == "cuda" and fused_head.triton_importable()
@@ -141,7 +143,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
             # shown on the fused ops, and on the loss where it was not fused.)
             note = (node.meta.get("custom") or {}).get(HEAD_NOTE)
             ni.head_fusion = note if node.target in _LOSS_OPS else None
-            if node.target is fused_head.FORWARD:
+            if node.target in (fused_head.FORWARD, fused_head.FORWARD_WITH_GRADS):
                 ni.head_fusion = note
             if node.target is fused_head.BACKWARD:
                 ni.head_fusion = _backward_note(node)

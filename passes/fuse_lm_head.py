@@ -1,10 +1,13 @@
 """fuse_lm_head: the projection to the vocabulary and its cross-entropy become one chunked op.
 
 Runs on the graph Dynamo captured, before AOTAutograd, so the fused op's own autograd formula
-(``megacompile.core.fused_head``) makes the backward: the joint graph then holds
-``lm_head_loss`` (forward: the loss and a per-token log-sum-exp) and
-``lm_head_loss_backward`` (the hidden-state, weight and bias gradients, accumulated chunk by
-chunk), and the (tokens x vocabulary) logits and their gradient exist nowhere.
+(``megacompile.core.fused_head``) makes the backward, and the (tokens x vocabulary) logits and
+their gradient exist nowhere. A mean or sum loss that is differentiated becomes
+``lm_head_loss_and_grads``: the loss and its hidden-state, weight and bias gradients, made in one
+pass over each chunk's logits (the backward only scales them by the loss's gradient). Otherwise
+(a per-token loss, or nothing to differentiate) the joint graph holds ``lm_head_loss`` (the loss
+and a per-token log-sum-exp) and ``lm_head_loss_backward`` (which makes each chunk's logits
+again and accumulates the gradients chunk by chunk).
 
 Recognised, from the loss back to the projection, each step the only reader of the one before:
 
@@ -18,7 +21,7 @@ Recognised, from the loss back to the projection, each step the only reader of t
   to the embedding or not.
 
 Under ``head_chunk_tokens="auto"`` a head whose logits fit in one chunk is left alone (fused,
-it would save nothing and run the head's matmul once more in the backward).
+it would save nothing).
 
 The token indexing and reshapes are applied to the hidden state instead (they commute with a
 per-token projection), and the labels are flattened. A candidate loss that is not fused gets
@@ -328,8 +331,13 @@ def _rewrite(gm: fx.GraphModule, m: _Match, options) -> str:
             weight = graph.call_method("to", (weight, options.autocast_dtype))
             if isinstance(bias, fx.Node):
                 bias = graph.call_method("to", (bias, options.autocast_dtype))
-        fused = graph.call_function(fused_head.FORWARD, (hidden, weight, bias, labels, chunk, m.ignore_index,
-                                                         m.reduction, m.softcap, loss_dtype))
+        args = (hidden, weight, bias, labels, chunk, m.ignore_index, m.reduction, m.softcap, loss_dtype)
+        weight_grad = bool(getattr(_val(m.weight if m.weight is not None else m.rhs), "requires_grad", False))
+        with_grads = m.reduction != "none" and (weight_grad or getattr(_val(m.hidden), "requires_grad", False))
+        if with_grads:  # a scalar loss that is differentiated: its gradients made with it (one matmul less)
+            fused = graph.call_function(fused_head.FORWARD_WITH_GRADS, (*args, weight_grad))
+        else:
+            fused = graph.call_function(fused_head.FORWARD, args)
         loss = graph.call_function(operator.getitem, (fused, 0))
     for new in (fused, loss):
         new.meta.update(keep)
@@ -338,7 +346,8 @@ def _rewrite(gm: fx.GraphModule, m: _Match, options) -> str:
     chunk_bytes = min(chunk, tokens) * vocab * itemsize
     note = (f"fused: {'cross-entropy' if not m.softcap else f'soft-capped ({m.softcap:g}) cross-entropy'} of the "
             f"projection to {vocab} classes, {m.reduction}, ignore_index {m.ignore_index}; {chunk} tokens per "
-            f"chunk ({format_bytes(chunk_bytes)} of logits at a time)")
+            f"chunk ({format_bytes(chunk_bytes)} of logits at a time)"
+            + ("; its gradients made in the forward, from the same logits" if with_grads else ""))
     _note(fused, note)
     m.loss.replace_all_uses_with(loss)
     for node in [m.loss] + m.erase:

@@ -194,6 +194,8 @@ class SavedValueWalk:
                 return "random op: replay would differ"
             if n.target is fused_head.FORWARD:
                 return "fused LM head: its log-sum-exp is 4 bytes a token, a replay the head's whole matmul"
+            if n.target is fused_head.FORWARD_WITH_GRADS:
+                return "fused LM head with its gradients: a replay would run the head's three matmuls again"
             for i in n.all_input_nodes if self.mutated else ():
                 for root in _host_view_roots(i, view_memo) or ():
                     if root in self.mutated:

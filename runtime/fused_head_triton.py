@@ -11,6 +11,8 @@ what the logits are needed for, one program per token, walking its row of logits
 - ``backward``: the logits' gradient, ``row_scale * (softmax - onehot(label))`` times the soft
   cap's derivative, written over the logits in their dtype (in place: the chunk's logits are
   the only chunk-sized buffer).
+- ``forward_backward`` (``lm_head_loss_and_grads``): the two, one after the other, on one
+  matmul's logits.
 
 ``TRITON_INTERPRET=1`` runs them on CPU tensors (how the tests check them); the kernels are
 made on first use so that the variable is read then, not at import.
@@ -122,7 +124,25 @@ def _triton_backward(h, weight, bias, labels, lse, row_scale, softcap: float, ig
     return z
 
 
-TRITON_KERNELS = fused_head.ChunkKernels(_triton_forward, _triton_backward)
+def _triton_forward_backward(h, weight, bias, labels, row_scale, softcap: float, ignore_index: int):
+    """The loss and the logits' gradient from one matmul: the forward kernel reads the logits,
+    the backward kernel then overwrites them with their gradient."""
+    forward_kernel, backward_kernel = _kernels(_interpreting())
+    z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+    rows = z.shape[0]
+    lse = torch.empty(rows, dtype=torch.float32, device=z.device)
+    loss = torch.empty(rows, dtype=torch.float32, device=z.device)
+    if rows:
+        labels = labels.contiguous()
+        meta = dict(HAS_CAP=bool(softcap), BLOCK=_block(z.shape[1]))
+        forward_kernel[(rows,)](z, labels, lse, loss, z.shape[1], z.stride(0), float(softcap or 1.0), ignore_index,
+                                **meta)
+        backward_kernel[(rows,)](z, labels, lse, row_scale.contiguous(), z.shape[1], z.stride(0),
+                                 float(softcap or 1.0), ignore_index, **meta)
+    return loss, z
+
+
+TRITON_KERNELS = fused_head.ChunkKernels(_triton_forward, _triton_backward, _triton_forward_backward)
 
 
 def register_for_cuda() -> bool:

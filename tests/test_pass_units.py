@@ -166,7 +166,7 @@ def test_captures_hold_what_the_compiler_saw(captured_mlp, captured_gpt):
         assert not _calls(step.joint_graph, ops.load) and step.record.plan.saved_values
         assert _calls(step.record.forward, ops.load) and _calls(step.record.backward, ops.offload)
     assert any(n.target is F.cross_entropy for n in captured_gpt.dynamo_graph.graph.nodes)
-    assert _calls(captured_gpt.joint_graph, fused_head.FORWARD)  # the compile fused it, as its options say
+    assert _calls(captured_gpt.joint_graph, fused_head.FORWARD_WITH_GRADS)  # the compile fused it, as its options say
 
 
 # --- elide_causal_mask -------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_fuse_lm_head_replaces_the_gpt_head_and_loss(captured_gpt):
     gm = step.fresh_dynamo_graph()
     head_weight = next(n for n in gm.graph.nodes if n.op == "placeholder" and "head" in n.name)
     fuse_lm_head.run(gm, step.context("dynamo"))
-    (fused,) = _calls(gm, fused_head.FORWARD)
+    (fused,) = _calls(gm, fused_head.FORWARD_WITH_GRADS)
     assert not [n for n in gm.graph.nodes if n.target in (F.cross_entropy, compat.NN_LINEAR)
                 and head_weight in n.all_input_nodes]
     assert not _calls(gm, F.cross_entropy)
@@ -222,7 +222,7 @@ def test_fuse_lm_head_leaves_a_one_chunk_head_with_the_reason(captured_gpt):
     step = captured_gpt
     gm = step.fresh_dynamo_graph()
     fuse_lm_head.run(gm, step.context("dynamo", options=step.options_with(head_chunk_tokens="auto")))
-    assert not _calls(gm, fused_head.FORWARD)
+    assert not _calls(gm, fused_head.FORWARD) and not _calls(gm, fused_head.FORWARD_WITH_GRADS)
     (loss,) = _calls(gm, F.cross_entropy)
     assert loss.meta["custom"][fuse_lm_head.NOTE_KEY].startswith("not fused: its 32 tokens' logits")
 
@@ -289,7 +289,7 @@ def test_annotate_tags_every_gpt_joint_node(captured_gpt):
     assert {"tok", "pos", "blocks.0", "blocks.1", "ln_f", "head"} <= layers
     backward_layers = {info(n).layer for n in _compute(gm) if info(n).phase == "backward"}
     assert {"blocks.0", "blocks.1", "head"} <= backward_layers
-    (head,) = _calls(gm, fused_head.FORWARD)
+    (head,) = _calls(gm, fused_head.FORWARD_WITH_GRADS)
     assert info(head).layer == "head" and info(head).workspace_bytes > 0 and info(head).head_fusion.startswith("fused")
 
 
@@ -415,14 +415,14 @@ def test_recompute_replays_a_layer_in_the_backward_and_saves_less(captured_mlp):
 
 
 def test_recompute_never_replays_the_fused_head(captured_gpt):
-    """Recomputing everything still saves the fused head's log-sum-exp: a replay would run the
-    head's whole matmul again for 4 bytes a token."""
+    """Recomputing everything still saves the gradients the fused head made in the forward: a
+    replay would run the head's three matmuls again."""
     built = _build(captured_gpt, PlanSpec(name="recompute", default_policy="recompute"))
     _check_invariants(built)
-    (head,) = _calls(built.joint, fused_head.FORWARD)
-    lse = next(u for u in head.users if u.target is operator.getitem and u.args[1] == 1)
-    assert info(lse).decision == "save" and "fused LM head" in info(lse).reason
-    assert not _calls(built.backward, fused_head.FORWARD)
+    (head,) = _calls(built.joint, fused_head.FORWARD_WITH_GRADS)
+    grads = [u for u in head.users if u.target is operator.getitem and u.args[1] in (1, 2)]
+    assert len(grads) == 2 and all(info(g).decision == "save" and "fused LM head" in info(g).reason for g in grads)
+    assert not [n for n in built.backward.graph.nodes if n.target in fused_head.OPS]
 
 
 # --- stream_parameters -------------------------------------------------------------------------

@@ -7,6 +7,14 @@ exist whole. The backward (``lm_head_loss_backward``) makes each chunk's logits 
 them into their gradient in place and accumulates the hidden-state, weight and bias gradients
 chunk by chunk; all it keeps from the forward is the per-token log-sum-exp (4 bytes a token).
 
+``lm_head_loss_and_grads``, for a differentiated mean or sum loss: the logits' gradient depends
+on nothing after the loss but one scalar (the loss's gradient), so each chunk's logits are made
+once, turned into the loss and then into their gradient for a loss gradient of 1, and the
+hidden-state, weight and bias gradients come out of the forward; the backward only scales them.
+Three head matmuls per step instead of four (the unfused count), and the backward does not load
+the head's weight. For ``loss.backward()`` the Triton kernels give the two-op form's gradients
+bit for bit; the torch ones take the softmax as exponentials over their sum (an ulp apart).
+
 Numerics follow the unfused graph: the logits are rounded to the matmul's dtype (bf16 under
 autocast, as eager materialises them), the optional soft cap ``c * tanh(z / c)`` and the
 softmax run in fp32, the loss is ``loss_dtype``, and the logits' gradient is rounded to the
@@ -41,10 +49,12 @@ class ChunkKernels:
     ``forward(h, weight, bias, labels, softcap, ignore_index) -> (loss_rows, lse)``, both fp32
     of the chunk's length (an ignored token's loss is 0); ``backward(h, weight, bias, labels,
     lse, row_scale, softcap, ignore_index) -> dlogits`` in the matmul's dtype: row_scale times
-    d(loss_row)/d(logits), times the soft cap's derivative."""
+    d(loss_row)/d(logits), times the soft cap's derivative; ``forward_backward(h, weight, bias,
+    labels, row_scale, softcap, ignore_index) -> (loss_rows, dlogits)``: both from one matmul."""
 
     forward: Callable
     backward: Callable
+    forward_backward: Callable
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -85,7 +95,34 @@ def _torch_backward(h, weight, bias, labels, lse, row_scale, softcap: float, ign
     return workspace.tracked(probs.to(dtype)) if dtype != torch.float32 else probs
 
 
-TORCH_KERNELS = ChunkKernels(_torch_forward, _torch_backward)
+def _torch_forward_backward(h, weight, bias, labels, row_scale, softcap: float, ignore_index: int):
+    z = _logits(h, weight, bias)
+    dtype = z.dtype
+    zf = workspace.tracked(z.float()) if dtype != torch.float32 else z
+    del z
+    slope = None
+    if softcap:
+        zf.div_(softcap).tanh_()
+        slope = workspace.tracked(torch.square(zf)).neg_().add_(1)  # d(c * tanh(z / c)) / dz
+        zf.mul_(softcap)
+    valid = labels != ignore_index
+    picked = torch.where(valid, labels, 0)
+    target = zf.gather(1, picked.unsqueeze(1)).squeeze(1)
+    top = zf.amax(1)
+    probs = zf.sub_(top.unsqueeze(1)).exp_()
+    total = probs.sum(1)
+    lse = total.log().add_(top)
+    probs.div_(total.unsqueeze(1))  # the softmax, from the same exponentials
+    probs[torch.arange(probs.shape[0], device=probs.device), picked] -= 1.0  # ignored rows: row_scale is 0
+    probs.mul_(row_scale.unsqueeze(1))
+    if slope is not None:
+        probs.mul_(slope)
+        del slope
+    dz = workspace.tracked(probs.to(dtype)) if dtype != torch.float32 else probs
+    return torch.where(valid, lse - target, 0.0), dz
+
+
+TORCH_KERNELS = ChunkKernels(_torch_forward, _torch_backward, _torch_forward_backward)
 _KERNELS: dict[str, ChunkKernels] = {}
 
 
@@ -174,20 +211,21 @@ def _(hidden, weight, bias, labels, chunk_tokens, ignore_index, reduction, softc
     return loss, hidden.new_empty((n,), dtype=torch.float32)
 
 
-@torch.library.custom_op("megatrain::lm_head_loss_backward", mutates_args=())
-def lm_head_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                          bias: Optional[torch.Tensor], labels: torch.Tensor, lse: torch.Tensor, chunk_tokens: int,
-                          ignore_index: int, reduction: str, softcap: float,
-                          weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_hidden, grad_weight, grad_bias); grad_weight is empty unless ``weight_grad``,
-    grad_bias empty where there is no bias."""
-    kernels = kernels_for(hidden.device)
-    n, vocab = hidden.shape[0], weight.shape[0]
+def _row_scale(grad: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """Per token, d(loss)/d(its loss row) times the loss's gradient ``grad`` (a scalar, or one
+    per token for "none"); 0 for an ignored token."""
     valid = labels != ignore_index
-    grad = grad_loss.float()
+    grad = grad.float()
     if reduction == "mean":
         grad = grad / valid.sum()
-    row_scale = torch.where(valid, grad, 0.0)  # per token: the scalar's share, or its own ("none")
+    return torch.where(valid, grad, 0.0)
+
+
+def _gradients(hidden, weight, bias, chunk_tokens: int, weight_grad: bool, dlogits_of_chunk):
+    """(grad_hidden, grad_weight, grad_bias) accumulated chunk by chunk from
+    ``dlogits_of_chunk(start, end)``; grad_weight is empty unless ``weight_grad``, grad_bias
+    empty where there is no bias."""
+    n, vocab = hidden.shape[0], weight.shape[0]
     grad_hidden = workspace.tracked(torch.empty_like(hidden, memory_format=torch.contiguous_format))
     # Weight gradient: accumulated in fp32 (a bf16 running sum would round at every chunk).
     wide = weight.dtype != torch.float32
@@ -198,8 +236,7 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight:
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
     for start, end in _chunks(n, chunk_tokens):
         h = hidden[start:end]
-        dz = kernels.backward(h, weight, bias, labels[start:end], lse[start:end], row_scale[start:end], softcap,
-                              ignore_index)
+        dz = dlogits_of_chunk(start, end)
         torch.mm(dz, weight, out=grad_hidden[start:end])
         if grad_weight is not None:
             if wide:  # the product in the matmul's dtype, a block of vocabulary rows at a time
@@ -214,6 +251,23 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight:
     grad_weight = empty if grad_weight is None else grad_weight.to(weight.dtype)
     grad_bias = empty if grad_bias is None else grad_bias.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias
+
+
+@torch.library.custom_op("megatrain::lm_head_loss_backward", mutates_args=())
+def lm_head_loss_backward(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                          bias: Optional[torch.Tensor], labels: torch.Tensor, lse: torch.Tensor, chunk_tokens: int,
+                          ignore_index: int, reduction: str, softcap: float,
+                          weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias); grad_weight is empty unless ``weight_grad``,
+    grad_bias empty where there is no bias."""
+    kernels = kernels_for(hidden.device)
+    row_scale = _row_scale(grad_loss, labels, ignore_index, reduction)
+
+    def dlogits(start: int, end: int) -> torch.Tensor:
+        return kernels.backward(hidden[start:end], weight, bias, labels[start:end], lse[start:end],
+                                row_scale[start:end], softcap, ignore_index)
+
+    return _gradients(hidden, weight, bias, chunk_tokens, weight_grad, dlogits)
 
 
 @lm_head_loss_backward.register_fake
@@ -240,9 +294,63 @@ def _backward(ctx, grad_loss, _grad_lse):
 
 lm_head_loss.register_autograd(_backward, setup_context=_setup_context)
 
+
+@torch.library.custom_op("megatrain::lm_head_loss_and_grads", mutates_args=())
+def lm_head_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                           labels: torch.Tensor, chunk_tokens: int, ignore_index: int, reduction: str, softcap: float,
+                           loss_dtype: torch.dtype,
+                           weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad_hidden, grad_weight, grad_bias) of a mean or sum cross-entropy: the loss and
+    its own gradients (for a loss gradient of 1), made in one pass over each chunk's logits.
+    grad_weight is empty unless ``weight_grad``, grad_bias empty where there is no bias."""
+    _check(hidden, weight, bias, labels, chunk_tokens, reduction)
+    if reduction == "none":
+        raise ValueError("megatrain lm_head_loss_and_grads: a per-token loss (reduction 'none') has a gradient per "
+                         "token that the forward cannot know; use lm_head_loss")
+    kernels = kernels_for(hidden.device)
+    rows = workspace.tracked(torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device))
+    row_scale = _row_scale(torch.ones((), device=hidden.device), labels, ignore_index, reduction)
+
+    def dlogits(start: int, end: int) -> torch.Tensor:
+        rows[start:end], dz = kernels.forward_backward(hidden[start:end], weight, bias, labels[start:end],
+                                                       row_scale[start:end], softcap, ignore_index)
+        return dz
+
+    grad_hidden, grad_weight, grad_bias = _gradients(hidden, weight, bias, chunk_tokens, weight_grad, dlogits)
+    total = rows.sum()
+    if reduction == "mean":
+        total = total / (labels != ignore_index).sum()
+    return total.to(loss_dtype), grad_hidden, grad_weight, grad_bias
+
+
+@lm_head_loss_and_grads.register_fake
+def _(hidden, weight, bias, labels, chunk_tokens, ignore_index, reduction, softcap, loss_dtype, weight_grad):
+    empty = hidden.new_empty((0,))
+    return (hidden.new_empty((), dtype=loss_dtype), torch.empty_like(hidden, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format) if weight_grad else empty,
+            torch.empty_like(bias) if bias is not None else empty)
+
+
+def _setup_grads_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*output[1:])
+    ctx.has_bias = inputs[2] is not None
+
+
+def _grads_backward(ctx, grad_loss, _grad_hidden, _grad_weight, _grad_bias):
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    wanted = ctx.needs_input_grad
+    return (grad_hidden * grad_loss if wanted[0] else None,
+            grad_weight * grad_loss if wanted[1] and grad_weight.numel() else None,
+            grad_bias * grad_loss if ctx.has_bias and wanted[2] else None,
+            None, None, None, None, None, None, None)
+
+
+lm_head_loss_and_grads.register_autograd(_grads_backward, setup_context=_setup_grads_context)
+
 FORWARD = torch.ops.megatrain.lm_head_loss.default
 BACKWARD = torch.ops.megatrain.lm_head_loss_backward.default
-OPS = (FORWARD, BACKWARD)
+FORWARD_WITH_GRADS = torch.ops.megatrain.lm_head_loss_and_grads.default
+OPS = (FORWARD, BACKWARD, FORWARD_WITH_GRADS)
 
 
 # --- FLOPs and working set ---------------------------------------------------------------
@@ -257,12 +365,19 @@ def _backward_flops(grad_shape, hidden_shape, weight_shape, *args, **kwargs) -> 
     return 3 * 2 * hidden_shape[0] * hidden_shape[1] * weight_shape[0]
 
 
+@flop_counter.register_flop_formula(torch.ops.megatrain.lm_head_loss_and_grads)
+def _forward_with_grads_flops(hidden_shape, weight_shape, *args, **kwargs) -> int:
+    # The logits, then the hidden state's and the weight's gradient.
+    return 3 * 2 * hidden_shape[0] * hidden_shape[1] * weight_shape[0]
+
+
 def workspace_bytes(target, tokens: int, vocab: int, width: int, itemsize: int, chunk_tokens: int, softcap: float,
                     triton: bool, weight_grad: bool = True) -> int:
     """Bytes one call holds beyond its inputs and outputs at its fullest (a chunk's buffers,
     the fp32 weight-gradient sum), for the chunk kernels it runs with (``triton``: the
     runtime's, which read and overwrite the chunk's logits in place). ``itemsize``: bytes per
-    element of the matmul's dtype."""
+    element of the matmul's dtype. ``FORWARD_WITH_GRADS`` holds what the backward holds (its
+    chunk's logits become their gradient in the same buffers)."""
     logits = min(tokens, chunk_tokens) * vocab  # elements of one chunk's logits
     wide = itemsize != 4
     if target is FORWARD:
