@@ -311,8 +311,8 @@ def _rewrite(gm: fx.GraphModule, m: _Match, options) -> str:
     tokens = _tokens(_val(projection))
     if options.head_chunk_tokens == "auto" and tokens <= chunk:
         raise NotFused(f"its {tokens} tokens' logits ({format_bytes(tokens * vocab * 4)} in fp32) fit in one chunk "
-                       f"of head_chunk_tokens='auto' ({chunk}): fused, the backward would only run the head's "
-                       f"matmul once more (an int head_chunk_tokens fuses it anyway)")
+                       f"of head_chunk_tokens='auto' ({chunk}): fused, it would save no memory (an int "
+                       f"head_chunk_tokens fuses it anyway)")
     keep = {k: projection.meta[k] for k in ("nn_module_stack", "source_fn_stack", "stack_trace")
             if k in projection.meta}
     with graph.inserting_before(m.loss):
