@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_session.sh [next|second|peers]
 #
 # Carry .whl/ with transformers 5.24 (the tests' pin; the machine has 5.17), and for "peers" DeepSpeed
-# and its needs: `pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl
-# transformers==5.24.0` (the device README's recipe); the script installs .whl/*.whl into /tmp/site.
+# and its needs: `bash benchmarks/prepare_device.sh [--peers]` fills it, here; this script installs
+# .whl/*.whl into /tmp/site there.
 #
 # "next" (default, at most 585 s; what 2026-11-26's session left unmeasured, the issues it can close first):
 #   1. issue 19, item 5: 4 Llama-2-7B-shape layers at 131,072 tokens in 60 GiB, fused head and unfused
