@@ -6,10 +6,13 @@ and trained a few steps on the CPU stand-in. A thread samples the process's resi
 every 20 ms; per step this prints the RSS after it and its peak during it, in bytes per
 parameter above the RSS before the model was built, beside what ``last_report()`` counts
 (fp32 weights 4 + AdamW 8 + persistent bf16 weight copies 2 = 14 B/param) and the stand-in's
-own device peak (on the stand-in the "device" is host memory too; on CUDA it is not). The last
-line trims the C heap (``malloc_trim``) to show what the allocator kept of freed memory.
+own device peak (on the stand-in the "device" is host memory too; on CUDA it is not). The
+compiled step trims the C heap after each backward (option release_host_heap, on by default;
+``--keep-host-heap`` turns it off); the last line trims it once more (``malloc_trim``) to show
+what the allocator still kept of freed memory.
 
-    python benchmarks/host_memory.py [--layers 12] [--hidden 1024] [--budget 600MiB] [--steps 4] [--out FILE]
+    python benchmarks/host_memory.py [--layers 12] [--hidden 1024] [--budget 600MiB] [--steps 4]
+        [--keep-host-heap] [--out FILE]
 """
 from __future__ import annotations
 
@@ -61,6 +64,8 @@ def main() -> int:
     p.add_argument("--budget", default="600MiB")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lowering", default="eager", choices=("eager", "inductor"))
+    p.add_argument("--keep-host-heap", action="store_true",
+                   help="option release_host_heap=False: no malloc_trim after each backward")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -90,7 +95,7 @@ def main() -> int:
         return loss.detach()
 
     options = {"device": "cpu", "precision": "bf16", "memory_budget": parse_bytes(args.budget, "--budget"),
-               "overlap_optimizer": True, "lowering": args.lowering}
+               "overlap_optimizer": True, "lowering": args.lowering, "release_host_heap": not args.keep_host_heap}
     compiled = torch.compile(step, backend="megatrain", options=options)
     x = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
 

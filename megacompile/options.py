@@ -84,6 +84,10 @@ class Options:
     # device (the stand-in with CUDA's numerics). A torch.autocast("cuda") region follows
     # CUDA's lists whatever this says.
     autocast_lists: str = "device"
+    # After each backward, return the C heap's freed pages to the OS on a background thread
+    # (glibc's malloc_trim; runtime/host_heap.py): what the step allocated and freed on the host
+    # would otherwise stay in the process (RSS). False: leave the heap to the allocator.
+    release_host_heap: bool = True
 
     def fused_head_chunk_tokens(self, vocab: int) -> int:
         if self.head_chunk_tokens != "auto":
@@ -190,6 +194,10 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         if not isinstance(raw["overlap_optimizer"], bool) and raw["overlap_optimizer"] != "auto":
             raise OptionsError(f"option overlap_optimizer={raw['overlap_optimizer']!r} must be True, False or 'auto'")
         kw["overlap_optimizer"] = raw["overlap_optimizer"]
+    if "release_host_heap" in raw:
+        if not isinstance(raw["release_host_heap"], bool):
+            raise OptionsError(f"option release_host_heap={raw['release_host_heap']!r} must be True or False")
+        kw["release_host_heap"] = raw["release_host_heap"]
     if "snapshots" in raw:
         if not isinstance(raw["snapshots"], bool) and raw["snapshots"] != "auto":
             raise OptionsError(f"option snapshots={raw['snapshots']!r} must be True, False or 'auto'")

@@ -79,6 +79,10 @@ class StepReport:
     # sharded_optimizer, shared_parameters, hosts, reduced_on, reduced_on_why, device_reductions,
     # device_reduced_bytes); None otherwise.
     data_parallel: dict | None = None
+    # Option release_host_heap: the heap trims after the backwards (runtime/host_heap.HeapStats
+    # as a dict: trims, last_released_bytes, last_seconds; the last trim done by the report, which
+    # runs in the background); None with the option off or where the C library cannot trim.
+    host_heap: dict | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -101,6 +105,9 @@ class StepReport:
               if self.offload_arena_bytes else []),
             *([f"  gradient landing     {format_bytes(self.gradient_landing_bytes)} (host, reused every step)"]
               if self.gradient_landing_bytes else []),
+            *([f"  host heap released   {format_bytes(self.host_heap['last_released_bytes'])} by the last of "
+               f"{self.host_heap['trims']} trims ({self.host_heap['last_seconds'] * 1e3:.1f} ms, in the background)"]
+              if self.host_heap else []),
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
@@ -161,6 +168,7 @@ class StepRecorder:
         self._pending: tuple | None = None
         self._last: StepReport | None = None
         self._data_parallel: dict | None = None
+        self._host_heap: dict | None = None
 
     def forward_returned(self, compiled, outputs) -> None:
         """Watches what ``compiled``'s forward returned (its saved activations among them): once
@@ -251,6 +259,13 @@ class StepRecorder:
             if self._current is not None:
                 self._current["data_parallel"] = stats
 
+    def host_heap_seen(self, stats: dict | None) -> None:
+        """The host heap's trims so far (``runtime.host_heap.HeapStats`` as a dict), as the
+        backward finishes; None where the step does not trim."""
+        with self._lock:
+            if self._current is not None:
+                self._current["host_heap"] = stats
+
     def host_graph_ran(self, label: str, optimizer=None) -> None:
         self.optimizer_seen(optimizer)
         with self._lock:
@@ -279,6 +294,7 @@ class StepRecorder:
                              gradient_landing_bytes=landing)
         reduced = cur.get("data_parallel")
         self._data_parallel = dataclasses.asdict(reduced) if reduced is not None else None
+        self._host_heap = cur.get("host_heap")
         self._last = None
 
     def last(self) -> StepReport | None:
@@ -288,6 +304,7 @@ class StepRecorder:
                 graphs = pending.pop("graphs")
                 self._last = graphs[0].make_step_report(graphs, **pending)
                 self._last.data_parallel = self._data_parallel
+                self._last.host_heap = self._host_heap
             return self._last
 
 

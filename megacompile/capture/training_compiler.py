@@ -55,6 +55,7 @@ from megacompile.plan.memory_estimate import (
 from megacompile.plan.template_planner import DEPTHS, MIN_LAYERS, Template
 from megacompile.plan.training_plan import PlanSpec, TrainingPlan
 from megacompile.report import RECORDER
+from megacompile.runtime import host_heap
 from megacompile.runtime.data_parallel import DataParallelStats, GradientReducer, ReducingSink, group_of
 from megacompile.runtime.executor import StreamingProgram
 from megacompile.runtime.segment_cache import SegmentCache
@@ -349,6 +350,10 @@ class TrainingCompiler:
 
         def on_finish(failed: bool) -> None:
             self.eager_watch.backward_finished(self.param_inputs.tensors())
+            trims = not failed and self.options.release_host_heap and host_heap.available()
+            if trims:
+                host_heap.release_soon()  # the step's freed host pages, off this thread
+            RECORDER.host_heap_seen(dataclasses.asdict(host_heap.stats()) if trims else None)
             if finished is not None:
                 finished(failed)
 
