@@ -32,10 +32,14 @@ def _qkv(q_len=S, kv_len=S, batch=2):
 
 
 def _run_pass_only(fn, *args):
-    """fn compiled with a backend that runs only this pass on Dynamo's graph: (output, notes, masks left)."""
+    """fn compiled with a backend that runs only this pass on Dynamo's graph (after
+    canonical_operators, whose one spelling of the operators it uses): (output, notes, masks left)."""
+    from megacompile.passes import canonical_operators
+
     graphs = []
 
     def backend(gm, _example_inputs):
+        canonical_operators.run(gm, None)
         elide_causal_mask.run(gm, None)
         graphs.append(gm)
         return gm.forward

@@ -103,7 +103,13 @@ def _triton_checks():
 def test_triton_kernels_interpreted_equal_unfused():
     """The CUDA chunk kernels, run on the CPU by Triton's interpreter, forward and backward,
     fp32 and bf16, with and without the soft cap."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    import numpy
+
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9) and int(numpy.__version__.split(".")[0]) >= 2:
+        # Seen with Triton 3.6 (torch 2.11's): its interpreter's range() over a scalar argument calls
+        # int() on a 1-element array, which numpy 2 refuses. Compiled on a GPU the kernels run.
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop over a scalar argument under numpy 2")
     here = pathlib.Path(__file__).parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run([sys.executable, "-c", "import test_fused_head as t; t._triton_checks()"], cwd=here,

@@ -202,12 +202,14 @@ def test_a_short_copy_keeps_the_first_layers_and_the_last(monkeypatch):
     joint = _joint_of(model, training_state_bytes(model), monkeypatch)
     chain = truncate_repeats.find_repeat_chain(joint)
     n = len(chain)
-    assert n >= 7  # a call per block (torch may inline the first block's)
+    assert n >= 7  # a call per block (torch may inline the first block's, or make it a body of its own)
     before = [n_.name for n_ in joint.graph.nodes]
     short = truncate_repeats.truncated_joint(joint, chain, 3)
     assert [n_.name for n_ in joint.graph.nodes] == before  # the full graph is untouched
     calls = _calls(short)
-    assert len(calls) == 2 * 3
+    # The chain's 3 layers each way, and any call outside the chain as it was (torch 2.11 traces
+    # the first block, whose input is a graph input, as a body of its own).
+    assert len(calls) == 2 * 3 + len(_calls(joint)) - 2 * n
     kept = {c.name for c in calls}
     assert {chain.forward[0].name, chain.forward[1].name, chain.forward[-1].name} <= kept
     assert {chain.backward[0].name, chain.backward[1].name, chain.backward[-1].name} <= kept

@@ -68,12 +68,15 @@ def find_repeat_chain(joint: fx.GraphModule) -> RepeatChain | None:
         if len(_reads_from(cur, prev)) != 1:
             return None
     # A backward call reads what its forward call saved: pair by the forward call it reads
-    # most from.
+    # most from. One that reads from none of them is another body's (torch 2.11 traces the
+    # first layer, whose input is a graph input, as a body of its own).
     paired: dict[fx.Node, fx.Node] = {}
     for call in backward_calls:
         counts = {f: len(_reads_from(call, f)) for f in forward}
         best = max(forward, key=lambda f: counts[f])
-        if counts[best] == 0 or best in paired:
+        if counts[best] == 0:
+            continue
+        if best in paired:
             return None
         paired[best] = call
     if len(paired) != len(forward):

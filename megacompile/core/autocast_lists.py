@@ -23,13 +23,16 @@ excepted), named as in PyTorch's AMP documentation:
 - ``promote``: cast every floating argument to the widest floating dtype among them;
 - ``banned``: refuse (``binary_cross_entropy``: unsafe under autocast, use the with-logits form).
 
-``CUDA_POLICIES`` is checked against the ops this torch build registers CUDA autocast kernels
-for (``tests/test_autocast_lists.py``), and each policy against CUDA autocast's own kernels
-run on fake CUDA tensors: a PyTorch release that changes the lists fails those tests.
+``KNOWN_CUDA_POLICIES``: the ops CUDA autocast lists in torch 2.11 to 2.13 (2.13 added
+``rms_norm`` to fp32, dropped the ``Dimname`` overloads and ``_cudnn_rnn``); ``cuda_policies()``
+keeps those this build lists, so a trace follows the lists of the torch that runs it.
+``tests/test_autocast_lists.py`` checks that every listed op is known, and each policy against
+CUDA autocast's own kernels on fake CUDA tensors: a release that changes the lists fails them.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from typing import Any, Callable, Iterator
@@ -44,7 +47,7 @@ _LOWER = [
     "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm",
     "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
     "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
-    "scaled_dot_product_attention",
+    "scaled_dot_product_attention", "_cudnn_rnn",
 ]
 _FP32 = [
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
@@ -58,11 +61,13 @@ _FP32 = [
     "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
     "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
     # norm without a dtype: CUDA calls its dtype overload with float32, the same as casting first.
-    "norm.Scalar", "norm.ScalarOpt_dim",
+    "norm.Scalar", "norm.ScalarOpt_dim", "norm.names_ScalarOpt_dim",
 ]
 _FP32_SET_OPT_DTYPE = [
     "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
     "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+    "prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname", "cumsum.dimname",
+    "sum.dim_DimnameList",
 ]
 _PROMOTE = [
     "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put", "scatter_add",
@@ -70,16 +75,20 @@ _PROMOTE = [
 ]
 _BANNED = ["binary_cross_entropy"]
 
-# "name.overload" (or "name" for the default overload) -> policy, for every op CUDA autocast lists.
-CUDA_POLICIES: dict[str, str] = {
+# "name.overload" (or "name" for the default overload) -> policy, for every op CUDA autocast
+# lists in a supported release.
+KNOWN_CUDA_POLICIES: dict[str, str] = {
     **{op: "lower" for op in _LOWER}, **{op: "fp32" for op in _FP32},
     **{op: "fp32_set_opt_dtype" for op in _FP32_SET_OPT_DTYPE}, **{op: "promote" for op in _PROMOTE},
     **{op: "banned" for op in _BANNED},
 }
 
-# Ops both lists name with one policy: CPU autocast's own kernel already does what CUDA's does.
-# (CPU casts prod and grid_sampler to fp32 and allows binary_cross_entropy: those differ.)
-_SAME_ON_CPU = {op for op, policy in CUDA_POLICIES.items() if policy in ("lower", "fp32")}
+
+@functools.lru_cache(maxsize=None)
+def cuda_policies() -> dict[str, str]:
+    """The ops this torch build's CUDA autocast lists, with their policies."""
+    listed = compat.ops_with_kernel_for("AutocastCUDA")
+    return {op: policy for op, policy in KNOWN_CUDA_POLICIES.items() if f"aten::{op}" in listed}
 
 
 def _eligible(x: Any) -> bool:
@@ -160,16 +169,19 @@ _LIBRARY = None
 def _register() -> Any:
     library = torch.library.Library("aten", "IMPL")
     cpu_listed = compat.ops_with_kernel_for("AutocastCPU")
+    policies = cuda_policies()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point here
-        for qualified, policy in CUDA_POLICIES.items():
+        for qualified, policy in policies.items():
             op = _overload(qualified)
-            if op is None or (qualified in _SAME_ON_CPU and f"aten::{qualified}" in cpu_listed):
+            # Ops both lists name with one cast: CPU autocast's own kernel already does what CUDA's
+            # does. (CPU casts prod and grid_sampler to fp32 and allows binary_cross_entropy: those differ.)
+            if op is None or (policy in ("lower", "fp32") and f"aten::{qualified}" in cpu_listed):
                 continue  # not in this release, or CPU autocast does the same already
             library.impl(qualified, _kernel(op, policy), "AutocastCPU")
         for name in sorted(cpu_listed):
             qualified = name.removeprefix("aten::")
-            if name.startswith("aten::") and qualified not in CUDA_POLICIES:
+            if name.startswith("aten::") and qualified not in policies:
                 library.impl(qualified, torch.library.fallthrough_kernel, "AutocastCPU")
     return library
 
