@@ -81,11 +81,13 @@ def test_profiler_shows_megatrain_lanes_like_its_own_trace(tmp_path, overlap):
         durations = by_name[e.name]
         assert e.time_range.elapsed_us() <= max(durations) * 1.05 + 20, (e.name, e.time_range.elapsed_us(), durations)
     # A program's range is most of megatrain's time for the run (only opening and closing the
-    # range lie between); an instruction's may be far shorter than megatrain's time for it where
-    # that includes the profiler's first record on a thread.
+    # range lie between: at most half of it, or 2 ms for a short one on a loaded machine, where a
+    # context switch there is the whole difference); an instruction's may be far shorter than
+    # megatrain's time for it where that includes the profiler's first record on a thread.
     for e in ranges:
         if lane_of(e.name) == "graphs":
-            assert e.time_range.elapsed_us() >= 0.5 * min(by_name[e.name]), e.name
+            ours_us = min(by_name[e.name])
+            assert e.time_range.elapsed_us() >= ours_us - max(0.5 * ours_us, 2000), (e.name, ours_us)
 
     # Instruction ranges lie inside their program's range, on the thread that runs programs.
     programs = [e for e in ranges if lane_of(e.name) == "graphs"]
