@@ -70,6 +70,7 @@ if [ "$part" = next ]; then
     step fused_head_forms 60 "$PY" benchmarks/fused_head_forms.py --device cuda --tokens 32768 --hidden 4096 \
         --vocab 32000 --chunk 4096 --out "$OUT/fused_head_forms.txt"
     step test_cuda_flash_autocast 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "autocast or flash_pair"
+    PEERS_MEGATRAIN_TRACE="$OUT/megatrain-8layers-trace.json" \
     step peers_8_layers 170 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
         --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 160 --out-dir "$OUT" --tag megatrain-8layers
