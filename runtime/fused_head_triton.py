@@ -101,7 +101,8 @@ def _block(vocab: int) -> int:
     return min(4096, 1 << max(4, (vocab - 1).bit_length()))
 
 
-def _triton_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
+def _logits_and_loss(h, weight, bias, labels, softcap: float, ignore_index: int):
+    """A chunk's logits (cuBLAS) and, from them, each token's log-sum-exp and loss (the forward kernel)."""
     forward_kernel, _ = _kernels(_interpreting())
     z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
     rows = z.shape[0]
@@ -110,36 +111,34 @@ def _triton_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
     if rows:
         forward_kernel[(rows,)](z, labels.contiguous(), lse, loss, z.shape[1], z.stride(0), float(softcap or 1.0),
                                 ignore_index, HAS_CAP=bool(softcap), BLOCK=_block(z.shape[1]))
+    return z, lse, loss
+
+
+def _triton_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
+    _, lse, loss = _logits_and_loss(h, weight, bias, labels, softcap, ignore_index)
     return loss, lse
 
 
-def _triton_backward(h, weight, bias, labels, lse, row_scale, softcap: float, ignore_index: int):
+def _gradient_in_place(z, labels, lse, row_scale, softcap: float, ignore_index: int):
+    """The backward kernel: the chunk's logits ``z`` become their gradient."""
     _, backward_kernel = _kernels(_interpreting())
-    z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
-    rows = z.shape[0]
-    if rows:
-        backward_kernel[(rows,)](z, labels.contiguous(), lse.contiguous(), row_scale.contiguous(), z.shape[1],
-                                 z.stride(0), float(softcap or 1.0), ignore_index, HAS_CAP=bool(softcap),
-                                 BLOCK=_block(z.shape[1]))
+    if z.shape[0]:
+        backward_kernel[(z.shape[0],)](z, labels.contiguous(), lse.contiguous(), row_scale.contiguous(), z.shape[1],
+                                       z.stride(0), float(softcap or 1.0), ignore_index, HAS_CAP=bool(softcap),
+                                       BLOCK=_block(z.shape[1]))
     return z
+
+
+def _triton_backward(h, weight, bias, labels, lse, row_scale, softcap: float, ignore_index: int):
+    z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+    return _gradient_in_place(z, labels, lse, row_scale, softcap, ignore_index)
 
 
 def _triton_forward_backward(h, weight, bias, labels, row_scale, softcap: float, ignore_index: int):
     """The loss and the logits' gradient from one matmul: the forward kernel reads the logits,
     the backward kernel then overwrites them with their gradient."""
-    forward_kernel, backward_kernel = _kernels(_interpreting())
-    z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
-    rows = z.shape[0]
-    lse = torch.empty(rows, dtype=torch.float32, device=z.device)
-    loss = torch.empty(rows, dtype=torch.float32, device=z.device)
-    if rows:
-        labels = labels.contiguous()
-        meta = dict(HAS_CAP=bool(softcap), BLOCK=_block(z.shape[1]))
-        forward_kernel[(rows,)](z, labels, lse, loss, z.shape[1], z.stride(0), float(softcap or 1.0), ignore_index,
-                                **meta)
-        backward_kernel[(rows,)](z, labels, lse, row_scale.contiguous(), z.shape[1], z.stride(0),
-                                 float(softcap or 1.0), ignore_index, **meta)
-    return loss, z
+    z, lse, loss = _logits_and_loss(h, weight, bias, labels, softcap, ignore_index)
+    return loss, _gradient_in_place(z, labels, lse, row_scale, softcap, ignore_index)
 
 
 TRITON_KERNELS = fused_head.ChunkKernels(_triton_forward, _triton_backward, _triton_forward_backward)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference_models import make_training_step
 
 import megacompile
 from megacompile.core.errors import OptionsError
@@ -33,16 +34,7 @@ def test_freed_heap_pages_go_back_to_the_os():
 
 def _train(steps: int, **options):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-    opt = torch.optim.AdamW(model.parameters())
-
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step, _ = make_training_step(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)), F.mse_loss)
     compiled = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager", **options})
     for _ in range(steps):
         compiled(torch.randn(8, 32), torch.randn(8, 4))

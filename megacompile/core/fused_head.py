@@ -62,12 +62,34 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return workspace.tracked(z)
 
 
-def _torch_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
+def _fp32_logits(h, weight, bias, softcap: float, slope: bool):
+    """A chunk's logits in fp32 (the matmul's dtype given back too), soft-capped where there is
+    a cap, and with ``slope`` the cap's derivative (None without a cap)."""
     z = _logits(h, weight, bias)
-    zf = workspace.tracked(z.float()) if z.dtype != torch.float32 else z
+    dtype = z.dtype
+    zf = workspace.tracked(z.float()) if dtype != torch.float32 else z
     del z
+    derivative = None
     if softcap:
-        zf.div_(softcap).tanh_().mul_(softcap)
+        zf.div_(softcap).tanh_()
+        if slope:
+            derivative = workspace.tracked(torch.square(zf)).neg_().add_(1)  # d(c * tanh(z / c)) / dz
+        zf.mul_(softcap)
+    return zf, derivative, dtype
+
+
+def _softmax_to_gradient(probs, picked, row_scale) -> None:
+    """Turns the softmax ``probs`` into the loss rows' gradient w.r.t. the (capped) logits, in place."""
+    probs[torch.arange(probs.shape[0], device=probs.device), picked] -= 1.0  # ignored rows: row_scale is 0
+    probs.mul_(row_scale.unsqueeze(1))
+
+
+def _in_matmul_dtype(grad, dtype):
+    return workspace.tracked(grad.to(dtype)) if dtype != torch.float32 else grad
+
+
+def _torch_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
+    zf, _, _ = _fp32_logits(h, weight, bias, softcap, slope=False)
     valid = labels != ignore_index
     target = zf.gather(1, torch.where(valid, labels, 0).unsqueeze(1)).squeeze(1)
     top = zf.amax(1)
@@ -76,35 +98,17 @@ def _torch_forward(h, weight, bias, labels, softcap: float, ignore_index: int):
 
 
 def _torch_backward(h, weight, bias, labels, lse, row_scale, softcap: float, ignore_index: int):
-    z = _logits(h, weight, bias)
-    dtype = z.dtype
-    zf = workspace.tracked(z.float()) if dtype != torch.float32 else z
-    del z
-    slope = None
-    if softcap:
-        zf.div_(softcap).tanh_()
-        slope = workspace.tracked(torch.square(zf)).neg_().add_(1)  # d(c * tanh(z / c)) / dz
-        zf.mul_(softcap)
+    zf, slope, dtype = _fp32_logits(h, weight, bias, softcap, slope=True)
     probs = zf.sub_(lse.unsqueeze(1)).exp_()
-    rows = torch.arange(probs.shape[0], device=probs.device)
-    probs[rows, torch.where(labels != ignore_index, labels, 0)] -= 1.0  # ignored rows: row_scale is 0
-    probs.mul_(row_scale.unsqueeze(1))
+    _softmax_to_gradient(probs, torch.where(labels != ignore_index, labels, 0), row_scale)
     if slope is not None:
         probs.mul_(slope)
-        del slope
-    return workspace.tracked(probs.to(dtype)) if dtype != torch.float32 else probs
+        del slope  # before the copy in the matmul's dtype: the working set is planned so
+    return _in_matmul_dtype(probs, dtype)
 
 
 def _torch_forward_backward(h, weight, bias, labels, row_scale, softcap: float, ignore_index: int):
-    z = _logits(h, weight, bias)
-    dtype = z.dtype
-    zf = workspace.tracked(z.float()) if dtype != torch.float32 else z
-    del z
-    slope = None
-    if softcap:
-        zf.div_(softcap).tanh_()
-        slope = workspace.tracked(torch.square(zf)).neg_().add_(1)  # d(c * tanh(z / c)) / dz
-        zf.mul_(softcap)
+    zf, slope, dtype = _fp32_logits(h, weight, bias, softcap, slope=True)
     valid = labels != ignore_index
     picked = torch.where(valid, labels, 0)
     target = zf.gather(1, picked.unsqueeze(1)).squeeze(1)
@@ -113,13 +117,11 @@ def _torch_forward_backward(h, weight, bias, labels, row_scale, softcap: float, 
     total = probs.sum(1)
     lse = total.log().add_(top)
     probs.div_(total.unsqueeze(1))  # the softmax, from the same exponentials
-    probs[torch.arange(probs.shape[0], device=probs.device), picked] -= 1.0  # ignored rows: row_scale is 0
-    probs.mul_(row_scale.unsqueeze(1))
+    _softmax_to_gradient(probs, picked, row_scale)
     if slope is not None:
         probs.mul_(slope)
-        del slope
-    dz = workspace.tracked(probs.to(dtype)) if dtype != torch.float32 else probs
-    return torch.where(valid, lse - target, 0.0), dz
+        del slope  # before the copy in the matmul's dtype: the working set is planned so
+    return torch.where(valid, lse - target, 0.0), _in_matmul_dtype(probs, dtype)
 
 
 TORCH_KERNELS = ChunkKernels(_torch_forward, _torch_backward, _torch_forward_backward)
