@@ -25,8 +25,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
 from _machine import cpu_model, write_result  # noqa: E402
+from reference_models import labels_training_step  # noqa: E402
 
 import megacompile  # noqa: E402
 from megacompile.core.units import parse_bytes  # noqa: E402
@@ -85,14 +87,7 @@ def main() -> int:
             param.normal_(0.0, 0.02)
     n = sum(param.numel() for param in model.parameters())
     megacompile.mark_repeated_layers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step(x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = labels_training_step(model, lr=1e-4)
 
     options = {"device": "cpu", "precision": "bf16", "memory_budget": parse_bytes(args.budget, "--budget"),
                "overlap_optimizer": True, "lowering": args.lowering, "release_host_heap": not args.keep_host_heap}

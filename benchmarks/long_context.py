@@ -27,10 +27,11 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 
 import torch  # noqa: E402
 from _machine import cpu_model  # noqa: E402
+from reference_models import labels_training_step  # noqa: E402
 
 
 def _parse_bytes(text: str) -> int:
@@ -68,14 +69,7 @@ def run_variant(args, fuse_head: bool) -> dict:
 
     torch._dynamo.reset()
     model = _model(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step(x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+    step = labels_training_step(model, lr=1e-4)
 
     # The CPU stand-in measures its device peak only under the eager lowering.
     options = {"device": args.device, "precision": args.precision, "memory_budget": _parse_bytes(args.budget),
