@@ -18,6 +18,7 @@
 #   3. issue 17: megatrain alone at 8 of 32 layers, 8 x 4096 tokens, 60 GiB: step, TFLOPS, reserved / budget,
 #      host-thread busy time by instruction kind;
 #   4. the rest of tests/test_cuda.py in what is left.
+# "issue19": steps 1 and 2 of "next" alone (about 7 minutes), leaving device time for "second".
 # "second" (about 9.5 minutes): the 32-layer Llama-2-7B step with megatrain alone (issue 17's target
 #   shape) and the 32-layer long-context run at 131,072 tokens (issue 19).
 # "peers" (about 10 minutes): the other systems of benchmarks/peers.py at 8 layers, on the machine
@@ -59,8 +60,8 @@ if ! "$PY" -c "import megacompile.passes, megacompile.runtime" 2>/dev/null; then
     ln -sfn ../passes megacompile/passes && ln -sfn ../runtime megacompile/runtime
     "$PY" -c "import megacompile.passes, megacompile.runtime" || exit 1
 fi
-if [ "$part" = next ]; then
-    DEADLINE=$(( $(date +%s) + 585 ))
+if [ "$part" = next ] || [ "$part" = issue19 ]; then
+    DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-585} ))
     step long_context_131k 250 "$PY" benchmarks/long_context.py --device cuda --layers 4 --seq 131072 \
         --budget 60GiB --steps 3 --compare-unfused --out "$OUT/long_context_131k.txt"
     if ! grep -q "fused / unfused" "$OUT/long_context_131k.txt" 2>/dev/null; then  # the unfused head did not fit
@@ -70,23 +71,29 @@ if [ "$part" = next ]; then
     step fused_head_forms 60 "$PY" benchmarks/fused_head_forms.py --device cuda --tokens 32768 --hidden 4096 \
         --vocab 32000 --chunk 4096 --out "$OUT/fused_head_forms.txt"
     step test_cuda_flash_autocast 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "autocast or flash_pair"
+fi
+if [ "$part" = next ]; then
     PEERS_MEGATRAIN_TRACE="$OUT/megatrain-8layers-trace.json" \
     step peers_8_layers 170 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
         --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 160 --out-dir "$OUT" --tag megatrain-8layers
     step test_cuda_rest 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not autocast and not flash_pair"
+fi
+if [ "$part" = next ] || [ "$part" = issue19 ]; then :
 elif [ "$part" = peers ]; then
     # megatrain's own row comes from "next" on the same machine (its compile alone took 99 s).
     step peers_others 590 "$PY" benchmarks/peers.py --layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB \
         --systems fsdp2_cpu_offload,deepspeed_zero3_offload,megatrain_reference,resident_torch_compile \
         --timeout 140 --out-dir "$OUT" --tag peers-8layers
 elif [ "$part" = second ]; then
+    DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-590} ))
+    PEERS_MEGATRAIN_TRACE="$OUT/megatrain-32layers-trace.json" \
     step peers_32_layers 330 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 --batch 8 \
         --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 320 --out-dir "$OUT" --tag megatrain-32layers
     step long_context 240 "$PY" benchmarks/long_context.py --device cuda --seq 131072 --budget 60GiB --steps 2 \
         --out "$OUT/long_context.txt"
 else
-    echo "gpu_session.sh: unknown part '$part' (next, second or peers)" >&2
+    echo "gpu_session.sh: unknown part '$part' (next, issue19, second or peers)" >&2
     exit 2
 fi
