@@ -192,6 +192,8 @@ def table(doc: dict) -> str:
         if m.get("predicted_step_s"):
             lines.append(f"megatrain step {ours['step_s']:.3f} s vs cost model {m['predicted_step_s']:.3f} s "
                          f"(measured / predicted {ours['step_s'] / m['predicted_step_s']:.2f}; {m.get('predicted')})")
+            if m.get("predicted_timeline"):
+                lines.append(f"  cost model timeline: {m['predicted_timeline']}")
         if m.get("host_thread"):
             h = m["host_thread"]
             lines.append(f"megatrain host thread, one traced step: busy {h['busy_s']:.3f} s of {h['program_s']:.3f} s "
