@@ -198,6 +198,10 @@ def table(doc: dict) -> str:
             h = m["host_thread"]
             lines.append(f"megatrain host thread, one traced step: busy {h['busy_s']:.3f} s of {h['program_s']:.3f} s "
                          f"in its programs ({h['busy_fraction']:.0%}); instructions {h['instructions']}")
+            if "working_s" in h:
+                lines.append(f"  of which blocked on the device {h['blocked_s']:.3f} s, the thread's own work "
+                             f"{h['working_s']:.3f} s ({h['working_fraction']:.0%} of the programs); waiting to stay "
+                             f"within host_lead_layers {h['throttled_s']:.3f} s")
             if h.get("busy_s_by_kind"):
                 lines.append("  busy by kind: " + ", ".join(
                     f"{k} {t * 1e3:.0f} ms ({h['instructions'].get(k, 0)})"

@@ -88,6 +88,13 @@ class Options:
     # (glibc's malloc_trim; runtime/host_heap.py): what the step allocated and freed on the host
     # would otherwise stay in the process (RSS). False: leave the heap to the allocator.
     release_host_heap: bool = True
+    # How many layers the thread that drives the programs may run ahead of the device's
+    # compute (runtime/host_lead.py): before it enqueues a layer's first compute with this many
+    # layers outstanding, it waits for the device to reach the oldest. Bounds what the host
+    # holds for work the GPU has not done (landing buffers for gradients) and keeps kernel
+    # launches from blocking on a full CUDA launch queue. None: no bound. (CUDA only; the CPU
+    # stand-in runs its work where it is issued.)
+    host_lead_layers: int | None = 3
 
     def fused_head_chunk_tokens(self, vocab: int) -> int:
         if self.head_chunk_tokens != "auto":
@@ -198,6 +205,12 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         if not isinstance(raw["release_host_heap"], bool):
             raise OptionsError(f"option release_host_heap={raw['release_host_heap']!r} must be True or False")
         kw["release_host_heap"] = raw["release_host_heap"]
+    if "host_lead_layers" in raw:
+        lead = raw["host_lead_layers"]
+        if lead is not None and (isinstance(lead, bool) or not isinstance(lead, int) or lead < 1):
+            raise OptionsError(f"option host_lead_layers={lead!r} must be an int >= 1 (layers the host may run ahead "
+                               f"of the device) or None (no bound)")
+        kw["host_lead_layers"] = lead
     if "snapshots" in raw:
         if not isinstance(raw["snapshots"], bool) and raw["snapshots"] != "auto":
             raise OptionsError(f"option snapshots={raw['snapshots']!r} must be True, False or 'auto'")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 import weakref
 from typing import Callable
 
@@ -30,6 +31,7 @@ from megacompile.core import torch_compat as compat
 from megacompile.core.host_memory import check_host_allocation
 from megacompile.runtime import trace
 from megacompile.runtime.host_arena import LandingBuffers
+from megacompile.runtime.host_lead import HostLead
 from megacompile.runtime.pinned_memory import PinnedHostBudget
 from megacompile.runtime.tracker import ArenaTracker, CudaTracker
 from megacompile.runtime.weight_copies import WeightCopies
@@ -140,6 +142,10 @@ class StreamingDevice:
     def synchronize(self) -> None:
         pass
 
+    def layer_started(self, limit: int | None) -> None:
+        """The program is about to enqueue a new layer's compute: where work runs after it is
+        issued, wait while more than ``limit`` layers are outstanding (runtime/host_lead.py)."""
+
     def after_failure(self) -> None:
         """Called while a failed program's values are still referenced, before they are freed."""
 
@@ -219,6 +225,8 @@ class CudaDevice(StreamingDevice):
         self._registered_shared: set[int] = set()
         # Host storage address -> the event of the last load that read it (loads_done).
         self._last_read: dict[int, torch.cuda.Event] = {}
+        # The layers the host has enqueued ahead of the compute stream (option host_lead_layers).
+        self.lead = HostLead()
 
     def _pinned_source(self, host: torch.Tensor) -> torch.Tensor:
         if host.is_pinned() or host.device.type != "cpu":
@@ -331,7 +339,14 @@ class CudaDevice(StreamingDevice):
             # later use and the free are ordered after it.
             torch.cuda.current_stream(self.torch_device).wait_event(event)
         else:
-            event.synchronize()  # a host tensor: the CPU is about to read it
+            # A host tensor: the CPU is about to read it, so it waits for the device here.
+            recorder = trace.active()
+            if recorder is None or event.query():
+                event.synchronize()
+            else:
+                start = time.perf_counter_ns()
+                event.synchronize()
+                recorder.add_blocked(start, time.perf_counter_ns())
 
     def evict(self, t):
         # A load never waited for (no graph does that; a guard): its block goes back to the
@@ -343,6 +358,15 @@ class CudaDevice(StreamingDevice):
     def after_failure(self):
         # A failed program drops loads it never waited for: their copies finish first.
         self.h2d_stream.synchronize()
+        self.lead.forget()
+
+    def layer_started(self, limit):
+        if limit is None:
+            return
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(self.torch_device))
+        recorder = trace.active()
+        self.lead.layer_started(mark, limit, on_blocked=recorder.add_throttle if recorder is not None else None)
 
     def completion(self, host):
         event = self._events.pop(host, None)  # popped here, on the thread that recorded it

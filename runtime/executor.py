@@ -437,6 +437,8 @@ class StreamingProgram:
         # Set to a list to record (instruction name, device bytes live after it) over the last
         # run: the measured curve beside the plan's (`megacompile inspect --plot`).
         self.memory_log: list | None = None
+        # Layers the host may run ahead of the device's compute (option host_lead_layers); None: no bound.
+        self.host_lead_layers: int | None = None
         self._build()
 
     # --- building -------------------------------------------------------------------------
@@ -573,7 +575,12 @@ class StreamingProgram:
 
     def _run_instructions(self, call: Call, env: list, recorder, profiled: bool) -> Any:
         device = self.device
+        lead = self.host_lead_layers
+        layer = None  # the layer of the compute enqueued last
         for instr in self.instructions:
+            if lead is not None and instr.kind in _LAYER_COMPUTE and instr.layer is not None and instr.layer != layer:
+                layer = instr.layer
+                device.layer_started(lead)  # may wait for the device (runtime/host_lead.py)
             if recorder is not None:
                 instr_start = time.perf_counter_ns()
             if profiled:
@@ -608,6 +615,8 @@ def _partial_update_error(label: str, updated: list, error: BaseException) -> Pa
 _RETURN_EVERYTHING = GradientSink()
 
 _COMPUTE_LANES = {"op": "compute", "segment": "compute", "const": "compute", "wait": "wait", "evict": "evict"}
+# The instructions whose layer marks where the program's compute moves to a new layer.
+_LAYER_COMPUTE = frozenset({"op", "segment"})
 
 
 def _lane(device: StreamingDevice, instr: Instruction) -> str:

@@ -17,15 +17,16 @@ one track (``tid``) per lane:
   real times from CUDA events on the copy streams, and ``h2d enqueue`` / ``d2h enqueue`` the
   CPU time to issue them;
 - ``wait``: the compute side waiting for a copy;
+- ``host blocked``: the program's thread blocked on the device (a wait for a copy it reads;
+  the bound on how far it runs ahead, option ``host_lead_layers``);
 - ``host optimizer``: the optimizer graph run on the host;
 - ``graphs``: one event per forward / backward program run, enclosing its instructions.
 
-``span(lane, name, **args)`` records any other piece of work, from any thread; work on a
-lane from a second thread gets its own track (``"host optimizer [worker-1]"``), so events
-on one track never overlap. While a ``torch.profiler`` records, the same spans are also its
-``record_function`` ranges (``runtime/profiler_ranges.py``); this Chrome trace is for
-machines without CUPTI or a profiler. With neither active, ``span`` and the executor's
-checks cost a global read and an attribute read.
+``span(lane, name, **args)`` records any other piece of work, from any thread (a second
+thread's work gets its own track, ``"host optimizer [worker-1]"``). While a
+``torch.profiler`` records, the same spans are its ``record_function`` ranges
+(``runtime/profiler_ranges.py``); this trace is for machines without CUPTI or a profiler.
+With neither active, ``span`` and the executor's checks cost a global and an attribute read.
 ``evict`` (a device copy's release point) and ``host`` (other host graphs) are lanes too.
 """
 from __future__ import annotations
@@ -49,8 +50,8 @@ _ACTIVE_LOCK = threading.Lock()
 
 _STREAM_THREAD = -1  # the "thread" of events timed on CUDA streams
 
-LANE_ORDER = ("graphs", "compute", "h2d enqueue", "h2d", "d2h enqueue", "d2h", "wait", "evict", "host optimizer",
-              "host")
+LANE_ORDER = ("graphs", "compute", "h2d enqueue", "h2d", "d2h enqueue", "d2h", "wait", "evict", "host blocked",
+              "host optimizer", "host")
 
 
 class TraceRecorder:
@@ -70,6 +71,11 @@ class TraceRecorder:
         self._instruction_ns = 0
         self._instruction_ns_by_kind: collections.Counter = collections.Counter()
         self._program_ns = 0
+        # Of that thread's time, what it spent blocked on the device: inside instructions
+        # (a wait for a copy to the host it is about to read) and between them (the bound on
+        # how far it may run ahead, runtime/host_lead.py).
+        self._blocked_ns = 0
+        self._throttled_ns = 0
 
     # --- recording --------------------------------------------------------------------------
     def _tid(self, lane: str, thread: int) -> int:
@@ -104,6 +110,20 @@ class TraceRecorder:
             self._instruction_ns_by_kind[args["kind"]] += max(end_ns - start_ns, 0)
         self.add(lane, name, start_ns, end_ns, args)
 
+    def add_blocked(self, start_ns: int, end_ns: int) -> None:
+        """Inside an instruction, the program's thread blocked until the device had done
+        something (a copy to the host landed): waiting, not the host's own work."""
+        with self._lock:
+            self._blocked_ns += max(end_ns - start_ns, 0)
+        self.add("host blocked", "blocked on the device", start_ns, end_ns)
+
+    def add_throttle(self, start_ns: int, end_ns: int) -> None:
+        """Between instructions, the program's thread waited for the device to catch up
+        (option host_lead_layers)."""
+        with self._lock:
+            self._throttled_ns += max(end_ns - start_ns, 0)
+        self.add("host blocked", "host lead: waiting for the device", start_ns, end_ns)
+
     def add_program(self, name: str, start_ns: int, end_ns: int, args: dict | None = None) -> None:
         """One run of a forward or backward program, enclosing its instructions."""
         with self._lock:
@@ -118,11 +138,21 @@ class TraceRecorder:
         on the host optimizer), ``busy_fraction``, ``instructions`` run, by kind (``op``:
         one aten op through Python dispatch; ``segment``: a compiled segment), and
         ``busy_s_by_kind``: the thread's time in each kind (where the busy time goes: a kind
-        whose share is far above its count's is blocking, not launching)."""
+        whose share is far above its count's is blocking, not launching).
+        Of the busy time, ``blocked_s`` is spent blocked on the device inside instructions (a
+        wait for a copy the host reads) and ``working_s`` is the rest, the thread's own work
+        (``working_fraction`` of ``program_s``); ``throttled_s`` is time between instructions
+        waiting for the device to catch up (option ``host_lead_layers``). A launch that
+        blocks on a full CUDA launch queue still counts as work: bound the lead to avoid it."""
         with self._lock:
             program = self._program_ns / 1e9
             busy = self._instruction_ns / 1e9
+            blocked = min(self._blocked_ns / 1e9, busy)
+            working = busy - blocked
             return {"program_s": program, "busy_s": busy, "busy_fraction": busy / program if program else 0.0,
+                    "blocked_s": blocked, "working_s": working,
+                    "working_fraction": working / program if program else 0.0,
+                    "throttled_s": self._throttled_ns / 1e9,
                     "instructions": dict(self._instructions),
                     "busy_s_by_kind": {k: ns / 1e9 for k, ns in self._instruction_ns_by_kind.items()}}
 
@@ -190,6 +220,14 @@ class _Fanout:
     def add_program(self, *args: Any) -> None:
         for r in self.recorders:
             r.add_program(*args)
+
+    def add_blocked(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add_blocked(*args)
+
+    def add_throttle(self, *args: Any) -> None:
+        for r in self.recorders:
+            r.add_throttle(*args)
 
     def add_cuda_copy(self, *args: Any) -> None:
         for r in self.recorders:

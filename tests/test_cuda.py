@@ -176,6 +176,32 @@ def test_cuda_optimizer_overlaps_the_backward(lowering):
     assert modes[-1]["consumed_grad_bytes"] > 0
 
 
+def test_cuda_host_lead_bounds_the_layers_enqueued_ahead_and_trains_like_eager(tmp_path):
+    """``host_lead_layers=1``: before the host enqueues a layer's compute it waits for the GPU
+    to reach the layer before; training still equals eager, at most one layer's mark stays
+    outstanding, and a trace splits the thread's time into work, blocked and throttled."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    budget = training_state_bytes(REFERENCE_MODELS["gpt"][0]()) // 4
+    model, step, reference, eager_step, make_batch = _gpt_compiled_and_eager(
+        {"lowering": "inductor", "memory_budget": budget, "host_lead_layers": 1})
+    device = get_device("cuda")
+    gen = torch.Generator().manual_seed(1)
+    x, y = make_batch(gen)
+    torch.testing.assert_close(step(x, y), eager_step(x.cuda(), y.cuda()).cpu(), rtol=1e-5, atol=0)
+    with megacompile.trace_runtime(tmp_path / "lead.json") as recorder:
+        for _ in range(3):
+            x, y = make_batch(gen)
+            torch.testing.assert_close(step(x, y), eager_step(x.cuda(), y.cuda()).cpu(), rtol=1e-5, atol=0)
+            assert device.lead.outstanding <= 1
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q.cpu(), rtol=0, atol=1e-5)
+    summary = recorder.host_thread_summary()
+    assert summary["working_s"] + summary["blocked_s"] == pytest.approx(summary["busy_s"])
+    assert 0 < summary["working_fraction"] <= summary["busy_fraction"] <= 1
+    assert summary["throttled_s"] >= 0
+
+
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
 def test_cuda_template_plan_of_marked_llama_layers(lowering):
     """Eight marked HF Llama layers under a budget keeping every activation exceeds: planned

@@ -578,6 +578,7 @@ def lower_with(options: Options, device):
         program = StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
                                    label=f"{record.label} {part}", check_inputs=check, share_host_memory=share,
                                    saved_from=saved_from)
+        program.host_lead_layers = options.host_lead_layers
         if part == "forward" and start_step:
             program.on_outputs = lambda outputs: RECORDER.forward_returned(record, outputs)
         if options.keeps_snapshots and record.measures_peak:  # inspect: the measured curve for --plot
