@@ -99,3 +99,23 @@ def test_budget_under_the_floor_streams_some_layers_and_trains_like_eager(monkey
     measured, planned = report.measured_peak_device_bytes, report.planned_peak_device_bytes
     assert measured <= budget, str(report)
     assert abs(planned - measured) / measured <= 0.05, (planned, measured)
+
+
+def test_streamed_mixes_above_the_floor_keep_layers_where_recompute_all_would_not(monkeypatch):
+    """Above recompute-all's peak the planner also builds mixes that keep some layers and stream
+    the others (``_streamed_mixes(above_floor=True)``): a streamed layer leaves no boundary on the
+    device, so such a mix keeps layers at budgets where keeping them beside recomputed layers'
+    boundaries does not fit. Each peaks between recompute-all and keeping everything, and each
+    keeps at least one layer."""
+    built = _built_plans(monkeypatch)
+    recompute_all = next(a for a in built if a.plan.policy == "recompute (all layers)")
+    keep = next(a for a in built if a.plan.policy == "keep")
+    above = [a for a in built if a.plan.policy.startswith("per-layer (keep")
+             and "streamed" in a.plan.policy and a.peak > recompute_all.peak]
+    assert above, [(a.plan.policy, a.peak) for a in built]
+    for a in above:
+        assert recompute_all.peak < a.peak < keep.peak, (a.plan.policy, a.peak)
+        kept = [layer for layer, row in a.plan.layer_costs.items()
+                if row["name"] == "keep" and layer.startswith("blocks.")]
+        streamed = [layer for layer, row in a.plan.layer_costs.items() if row["name"] == STREAMED]
+        assert kept and streamed, a.plan.layer_costs

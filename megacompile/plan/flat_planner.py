@@ -22,8 +22,8 @@ estimates the peak), so a chosen plan's predicted peak is the one the runtime wi
 4. Under those: the streaming minimum (every layer replayed from its input, the inputs on
    the host: ``streamed_layers.streaming_minimum_spec``) and per-layer mixes in which some
    layers are kept or recomputed and the others streamed (``_streamed_mixes``), drawn into
-   the same ladder. If none fits, ``BudgetError`` names the smallest peak any plan reached
-   and the layer that sets it.
+   the same ladder; such mixes above recompute-all's peak too (layers kept where recomputed
+   layers' boundaries leave no room). If none fits, ``BudgetError`` names the smallest peak.
 
 Decisions and their reasons land in ``NodeInfo.decision`` / ``reason`` (shown by inspect);
 the choices are in ``TrainingPlan.layer_policy`` / ``value_policy`` / ``resident`` and their
@@ -482,6 +482,11 @@ def plan_training(
         streaming = make(streaming_minimum_spec(recompute_all))
         if streaming.peak < recompute_all.peak:
             candidates.append(streaming)
+            # Above the floor too: layers kept where the budget has room, the others streamed,
+            # which leaves no boundary on the device, so more layers are kept than with the others
+            # recomputed (recompute-all and the next mix up can be far apart at 7B: 42 and 148 GiB).
+            candidates += _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes,
+                                          link, solver, above_floor=True)
         else:
             streaming = None
 
@@ -532,10 +537,14 @@ def plan_training(
 # Targets of the streamed mixes: these fractions of the way from what recompute-all frees to
 # what streaming every layer frees (against keep).
 _STREAMED_TARGETS = (0.25, 0.5, 0.75, 1.0)
+# Above the floor: these fractions of what recompute-all frees, denser toward the floor, where
+# models far larger than the budget plan (each halves the distance to recompute-all's peak).
+_ABOVE_FLOOR_TARGETS = (0.5, 0.75, 0.875, 0.9375, 0.96875)
 
 
 def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, fwd_seconds: dict,
-                    keep_bytes: dict, boundary_bytes: dict, link: float, solver: Callable) -> list[Attempt]:
+                    keep_bytes: dict, boundary_bytes: dict, link: float, solver: Callable,
+                    above_floor: bool = False) -> list[Attempt]:
     """Per-layer plans with a third option per layer beside keep and recompute, ``STREAMED``
     (recompute, layer input offloaded), for memory targets below the floor.
 
@@ -546,20 +555,28 @@ def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, f
     streaming that plus its inputs' copies out and back. (Offload is left out: an offloaded
     layer's values come back a layer ahead of its backward, during the replay of the layer
     after it, which is where these peaks are.) Targets: from what recompute-all frees toward
-    what streaming every layer frees; only picks with some layer streamed are built."""
+    what streaming every layer frees; only picks with some layer streamed are built.
+    ``above_floor``: targets short of what recompute-all frees (``_ABOVE_FLOOR_TARGETS``), for
+    budgets between its peak and the next plan up."""
     inputs = layer_inputs(recompute_all, layers)
     input_bytes = layer_input_bytes(recompute_all, inputs)
     items = []
     for layer in layers:
         k = max(0, keep_bytes.get(layer, 0))
         fwd = fwd_seconds.get(layer, 0.0)
+        # Above the floor the inputs' copies are priced as overlapped with compute (the lane
+        # simulation of each built mix says whether they are), so the solver streams a layer
+        # rather than recompute it where it needs the bytes: more layers are kept in the budget.
+        copies = 0.0 if above_floor else input_bytes.get(layer, 0) * link
         items.append([Option("keep", 0, 0.0), Option("recompute", max(0, k - boundary_bytes.get(layer, 0)), fwd),
-                      Option(STREAMED, k, fwd + input_bytes.get(layer, 0) * link)])
+                      Option(STREAMED, k, fwd + copies)])
     at_recompute = sum(opts[1].memory_saved for opts in items)
     most = sum(opts[2].memory_saved for opts in items)
     out, seen = [], set()
-    for fraction in _STREAMED_TARGETS:
-        picks = solver(items, min(most, int(at_recompute + fraction * (most - at_recompute)) + 1))
+    targets = ([int(fraction * at_recompute) + 1 for fraction in _ABOVE_FLOOR_TARGETS] if above_floor else
+               [int(at_recompute + fraction * (most - at_recompute)) + 1 for fraction in _STREAMED_TARGETS])
+    for target in targets:
+        picks = solver(items, min(most, target))
         if picks is None or not any(items[i][j].name == STREAMED for i, j in enumerate(picks)):
             continue
         per_layer = {layer: items[i][j].name for i, (layer, j) in enumerate(zip(layers, picks))}

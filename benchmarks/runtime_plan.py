@@ -1,0 +1,130 @@
+"""The plan megatrain's own planner chooses for a model at full depth, and its cost-model price,
+without running anything: the step of ``benchmarks/peers.py`` (HF causal LM, ``labels=``,
+AdamW, decoder layers marked repeated) compiled on the meta device with the megatrain backend,
+stopped once the plan is chosen.
+
+``megacompile plan`` answers "does it fit, how fast" by tracing a few layers and extrapolating;
+this runs the runtime's planner itself over every layer, as a GPU run would (with the CPU's
+attention op in the trace, so a GPU's plan can differ slightly), and prints the ladder of
+plans it built (peak, predicted seconds, recomputed ops) with the one it chose.
+
+    python benchmarks/runtime_plan.py MODEL --seq-len 4096 --batch 8 --budget 60GiB \\
+        --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json
+
+MODEL: a preset of ``megacompile plan`` or a Hugging Face config.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import megacompile  # noqa: E402
+from megacompile.capture import training_compiler  # noqa: E402
+from megacompile.cli.plan_command.meta_model import _meta_placement, build_model  # noqa: E402
+from megacompile.cli.presets import load_model_config  # noqa: E402
+from megacompile.core import torch_compat as compat  # noqa: E402
+from megacompile.core.units import format_bytes, parse_bytes  # noqa: E402
+from megacompile.plan import flat_planner  # noqa: E402
+from megacompile.plan.cost_model import predict_record  # noqa: E402
+from megacompile.plan.hardware import get_profile  # noqa: E402
+
+
+class _Chosen(Exception):
+    """Raised once the plan is recorded: nothing is lowered or run."""
+
+
+def plan(config: dict, *, seq_len: int, batch: int, budget: int, hardware: str, options: dict) -> tuple:
+    model = build_model(config, int(config["num_hidden_layers"]), "fp32")
+    megacompile.mark_repeated_layers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+
+    def step(x, y):
+        loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    ladders: list = []
+    original_ladder, original_add = flat_planner._ladder, training_compiler.records.add
+    chosen: dict = {}
+
+    def ladder(candidates):
+        out = original_ladder(candidates)
+        ladders.append((list(candidates), out))
+        return out
+
+    def add(record):
+        original_add(record)
+        if record.backward is not None:
+            chosen["record"] = record
+            raise _Chosen()
+
+    flat_planner._ladder, training_compiler.records.add = ladder, add
+    compat.reset_dynamo()
+    compiled = torch.compile(step, backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "precision": "bf16", "memory_budget": budget, "hardware": hardware,
+        "overlap_optimizer": True, "autocast_lists": "cuda", **options})
+    ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    started = time.perf_counter()
+    try:
+        with _meta_placement():
+            compiled(ids, ids)
+    except Exception:  # noqa: BLE001  (Dynamo wraps _Chosen)
+        if "record" not in chosen:
+            raise
+    finally:
+        flat_planner._ladder, training_compiler.records.add = original_ladder, original_add
+        compat.reset_dynamo()
+    return chosen["record"], ladders, time.perf_counter() - started
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--budget", required=True)
+    p.add_argument("--hardware", required=True)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    config = load_model_config(args.model)
+    budget = parse_bytes(args.budget)
+    record, ladders, seconds = plan(config, seq_len=args.seq_len, batch=args.batch, budget=budget,
+                                    hardware=args.hardware, options={})
+    profile = get_profile(args.hardware)
+    tokens = args.seq_len * args.batch
+    predicted = predict_record(record, profile, tokens=tokens)
+    lines = [f"# benchmarks/runtime_plan.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+             f"torch {torch.__version__} (planned on the meta device; nothing ran)",
+             "# command: python " + " ".join(sys.argv),
+             f"model {args.model}: {config['num_hidden_layers']} layers; {args.batch} x {args.seq_len} tokens; bf16; "
+             f"budget {format_bytes(budget)}; profile {profile.name}; planned in {seconds:.0f} s",
+             f"chosen: {record.plan.policy}",
+             f"predicted step {predicted.total_s:.3f} s (compute {predicted.compute_s:.3f}, h2d {predicted.h2d_s:.3f}, "
+             f"d2h {predicted.d2h_s:.3f}, host optimizer {predicted.host_optimizer_s:.3f}, stalls "
+             f"{predicted.exposed_wait_s:.3f})", ""]
+    if ladders:
+        candidates, rungs = ladders[-1]
+        lines.append("plans built (* on the ladder): peak, predicted step, recomputed ops")
+        for c in sorted(candidates, key=lambda c: (c.peak, c.plan.predicted_seconds or 0)):
+            mark = "*" if c in rungs else " "
+            fits = "fits" if c.peak <= budget else "    "
+            lines.append(f"  {mark} {fits} {c.peak / 2**30:8.2f} GiB {c.plan.predicted_seconds or 0:7.3f} s "
+                         f"{len(c.plan.recomputed_ops):6d}  {c.plan.policy}")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
