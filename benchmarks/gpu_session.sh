@@ -3,24 +3,22 @@
 # a session, machine start included, and a command at most 10 minutes). Run from the repository
 # root on the GPU machine, in a device call with timeout_s 600:
 #
-#   bash benchmarks/gpu_session.sh [next|second|peers]
+#   bash benchmarks/gpu_session.sh [next|issue19|peers]
 #
 # Carry .whl/ with transformers 5.24 (the tests' pin; the machine has 5.17), and for "peers" DeepSpeed
 # and its needs: `bash benchmarks/prepare_device.sh [--peers]` fills it, here; this script installs
 # .whl/*.whl into /tmp/site there.
 #
-# "next" (default, at most 585 s; what 2026-11-26's session left unmeasured, the issues it can close first):
-#   1. issue 19, item 5: 4 Llama-2-7B-shape layers at 131,072 tokens in 60 GiB, fused head and unfused
-#      (the causal mask kept on torch 2.11 stopped it on 2026-11-26; canonical_operators since; the plan
-#      on the meta device: smallest 23.2 GiB), at 32,768 tokens too if the unfused head does not fit;
-#   2. the LM head's three forms at Llama-2-7B's head, 32,768 tokens (fused must not be slower than unfused);
-#      tests/test_cuda.py, the flash pair and the CUDA autocast tests (the flash pair failed with the mask kept);
-#   3. issue 17: megatrain alone at 8 of 32 layers, 8 x 4096 tokens, 60 GiB: step, TFLOPS, reserved / budget,
-#      host-thread busy time by instruction kind;
+# "next" (default, at most 585 s; what the second session of 2026-11-26 left unmeasured):
+#   1. tests/test_cuda.py -k host_lead: the bound on the host's lead (option host_lead_layers, new, never run on a GPU);
+#   2. issue 17 at its target shape: megatrain alone, Llama-2-7B's 32 layers, 8 x 4096 tokens, 60 GiB, with the host's
+#      lead bounded (RSS: landing buffers of 18 layers' gradients were 7.65 GiB) and the planner's streamed mixes above
+#      recompute-all's peak (45.8 GiB planned instead of 17): step, TFLOPS, RSS, the host thread's own work apart from its
+#      waits on the GPU, and the cost model's timeline (5.17 s predicted for 3.23 s measured: why);
+#   3. the same at 8 layers, the depth of the peers' rows of 2026-11-24 (then "peers" on the same machine);
 #   4. the rest of tests/test_cuda.py in what is left.
-# "issue19": steps 1 and 2 of "next" alone (about 7 minutes), leaving device time for "second".
-# "second" (about 9.5 minutes): the 32-layer Llama-2-7B step with megatrain alone (issue 17's target
-#   shape) and the 32-layer long-context run at 131,072 tokens (issue 19).
+# "issue19": the long-context checks of 2026-11-26 (4 layers at 131,072 tokens fused and unfused, the head's forms,
+#   the flash pair and autocast tests), about 7 minutes.
 # "peers" (about 10 minutes): the other systems of benchmarks/peers.py at 8 layers, on the machine
 #   that ran "next" (merge the two files with peers.py --merge-into). It needs
 #   the peers' code carried beside the checkout (not in the repo): DeepSpeed and its needs as
@@ -60,7 +58,20 @@ if ! "$PY" -c "import megacompile.passes, megacompile.runtime" 2>/dev/null; then
     ln -sfn ../passes megacompile/passes && ln -sfn ../runtime megacompile/runtime
     "$PY" -c "import megacompile.passes, megacompile.runtime" || exit 1
 fi
-if [ "$part" = next ] || [ "$part" = issue19 ]; then
+if [ "$part" = next ]; then
+    DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-585} ))
+    step test_cuda_host_lead 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k host_lead
+    PEERS_MEGATRAIN_TRACE="$OUT/megatrain-32layers-trace.json" \
+    step peers_32_layers 230 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 --batch 8 \
+        --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
+        --timeout 220 --out-dir "$OUT" --tag megatrain-32layers
+    PEERS_MEGATRAIN_TRACE="$OUT/megatrain-8layers-trace.json" \
+    step peers_8_layers 120 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
+        --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
+        --timeout 110 --out-dir "$OUT" --tag megatrain-8layers
+    step test_cuda_rest 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not host_lead"
+fi
+if [ "$part" = issue19 ]; then
     DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-585} ))
     step long_context_131k 250 "$PY" benchmarks/long_context.py --device cuda --layers 4 --seq 131072 \
         --budget 60GiB --steps 3 --compare-unfused --out "$OUT/long_context_131k.txt"
@@ -72,28 +83,13 @@ if [ "$part" = next ] || [ "$part" = issue19 ]; then
         --vocab 32000 --chunk 4096 --out "$OUT/fused_head_forms.txt"
     step test_cuda_flash_autocast 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "autocast or flash_pair"
 fi
-if [ "$part" = next ]; then
-    PEERS_MEGATRAIN_TRACE="$OUT/megatrain-8layers-trace.json" \
-    step peers_8_layers 170 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
-        --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
-        --timeout 160 --out-dir "$OUT" --tag megatrain-8layers
-    step test_cuda_rest 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not autocast and not flash_pair"
-fi
 if [ "$part" = next ] || [ "$part" = issue19 ]; then :
 elif [ "$part" = peers ]; then
     # megatrain's own row comes from "next" on the same machine (its compile alone took 99 s).
     step peers_others 590 "$PY" benchmarks/peers.py --layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB \
         --systems fsdp2_cpu_offload,deepspeed_zero3_offload,megatrain_reference,resident_torch_compile \
         --timeout 140 --out-dir "$OUT" --tag peers-8layers
-elif [ "$part" = second ]; then
-    DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-590} ))
-    PEERS_MEGATRAIN_TRACE="$OUT/megatrain-32layers-trace.json" \
-    step peers_32_layers 330 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 --batch 8 \
-        --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
-        --timeout 320 --out-dir "$OUT" --tag megatrain-32layers
-    step long_context 240 "$PY" benchmarks/long_context.py --device cuda --seq 131072 --budget 60GiB --steps 2 \
-        --out "$OUT/long_context.txt"
 else
-    echo "gpu_session.sh: unknown part '$part' (next, issue19, second or peers)" >&2
+    echo "gpu_session.sh: unknown part '$part' (next, issue19 or peers)" >&2
     exit 2
 fi
