@@ -35,14 +35,15 @@ def test_random_training_steps_match_eager_within_budget(spec):
 
 # Examples the fuzzer drew (benchmarks/fuzz.py --seed 0) whose plans take the merged variant:
 # offloaded layers with a reused layer and tied weights, a per-activation mix, streamed layers
-# with BatchNorm.
+# with BatchNorm (one layer deeper and a smaller budget than drawn: since the planner's streamed
+# mixes above recompute-all's peak, the drawn one's plan fills its budget too tightly to merge).
 MERGED_EXAMPLES = [
     FuzzSpec(depth=4, width=32, norm="rms", residual=False, reuse_layer=True, tied=True, buffer=False, frozen=False,
              aux_output=True, dropout=True, budget_fraction=0.749, batch=3, seq=16),
     FuzzSpec(depth=1, width=32, norm="none", residual=False, reuse_layer=False, tied=False, buffer=True, frozen=True,
              aux_output=True, dropout=True, budget_fraction=0.110, batch=2, seq=4),
-    FuzzSpec(depth=3, width=16, norm="batch", residual=False, reuse_layer=False, tied=False, buffer=False,
-             frozen=False, aux_output=False, dropout=False, budget_fraction=0.300, batch=2, seq=8),
+    FuzzSpec(depth=4, width=16, norm="batch", residual=False, reuse_layer=False, tied=False, buffer=False,
+             frozen=False, aux_output=False, dropout=False, budget_fraction=0.250, batch=2, seq=8),
 ]
 
 

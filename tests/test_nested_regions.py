@@ -205,13 +205,16 @@ def test_marked_hugging_face_llama_layers_are_traced_and_partitioned_once(monkey
     per_layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     record = next(r for r in COMPILED if r.backward is not None)
     decoder = [f"model.layers.{i}" for i in range(3)]
-    # One decision for every layer, and the same ops replayed (compute ops: a streamed layer's
-    # reload of its output for the next layer's replay is counted with it, and the last
-    # layer's output is not reloaded).
+    # Every layer the plan replays replays the same ops (compute ops: a streamed layer's reload
+    # of its output for the next layer's replay is counted with it, and the last layer's output
+    # is not reloaded); a layer it keeps replays fewer. (The plan may keep a layer where the
+    # budget has room: at this one it keeps the last.)
     replayed = collections.Counter(info(n).layer for n in record.backward.graph.nodes
                                    if has_info(n) and info(n).phase == "recompute" and not ops.is_memory_op(n))
-    assert len({record.plan.layer_policy[layer] for layer in decoder}) == 1, record.plan.policy
-    assert replayed["model.layers.0"] > 0 and {replayed[layer] for layer in decoder} == {replayed["model.layers.0"]}
+    replaying = [layer for layer in decoder if record.plan.layer_policy[layer] != "keep"]
+    assert len(replaying) >= 2, record.plan.policy
+    assert replayed[replaying[0]] > 0 and {replayed[layer] for layer in replaying} == {replayed[replaying[0]]}
+    assert all(replayed[layer] < replayed[replaying[0]] for layer in decoder if layer not in replaying)
     for layer in decoder:
         assert rows[layer].param_bytes == per_layer and rows[layer].h2d_bytes >= per_layer
 
