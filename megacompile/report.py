@@ -83,6 +83,10 @@ class StepReport:
     # as a dict: trims, last_released_bytes, last_seconds; the last trim done by the report, which
     # runs in the background); None with the option off or where the C library cannot trim.
     host_heap: dict | None = None
+    # Option host_lead_layers, on CUDA: how often the program's thread waited for the GPU to
+    # catch up and for how long, over the process so far (runtime/host_lead.HostLead: throttles,
+    # throttled_seconds); None where work runs where it is issued (the CPU stand-in).
+    host_lead: dict | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,6 +112,8 @@ class StepReport:
             *([f"  host heap released   {format_bytes(self.host_heap['last_released_bytes'])} by the last of "
                f"{self.host_heap['trims']} trims ({self.host_heap['last_seconds'] * 1e3:.1f} ms, in the background)"]
               if self.host_heap else []),
+            *([f"  host lead waits      {self.host_lead['throttles']} ({self.host_lead['throttled_seconds']:.3f} s "
+               f"so far, the host waiting for the GPU to catch up)"] if self.host_lead else []),
             f"  host -> device       {format_bytes(self.h2d_bytes)}",
             f"  device -> host       {format_bytes(self.d2h_bytes)}",
             f"  recomputed ops       {len(self.recomputed_ops)}",
@@ -169,6 +175,7 @@ class StepRecorder:
         self._last: StepReport | None = None
         self._data_parallel: dict | None = None
         self._host_heap: dict | None = None
+        self._host_lead: dict | None = None
 
     def forward_returned(self, compiled, outputs) -> None:
         """Watches what ``compiled``'s forward returned (its saved activations among them): once
@@ -295,6 +302,9 @@ class StepRecorder:
         reduced = cur.get("data_parallel")
         self._data_parallel = dataclasses.asdict(reduced) if reduced is not None else None
         self._host_heap = cur.get("host_heap")
+        lead = getattr(device, "lead", None)
+        self._host_lead = ({"throttles": lead.throttles, "throttled_seconds": lead.throttled_ns / 1e9}
+                           if lead is not None else None)
         self._last = None
 
     def last(self) -> StepReport | None:
@@ -305,6 +315,7 @@ class StepRecorder:
                 self._last = graphs[0].make_step_report(graphs, **pending)
                 self._last.data_parallel = self._data_parallel
                 self._last.host_heap = self._host_heap
+                self._last.host_lead = self._host_lead
             return self._last
 
 

@@ -200,6 +200,8 @@ def test_cuda_host_lead_bounds_the_layers_enqueued_ahead_and_trains_like_eager(t
     assert summary["working_s"] + summary["blocked_s"] == pytest.approx(summary["busy_s"])
     assert 0 < summary["working_fraction"] <= summary["busy_fraction"] <= 1
     assert summary["throttled_s"] >= 0
+    lead = megacompile.last_report().host_lead
+    assert lead is not None and lead["throttles"] >= 0 and lead["throttled_seconds"] >= 0
 
 
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
