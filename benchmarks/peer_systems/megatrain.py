@@ -57,8 +57,8 @@ def train(workload) -> dict:
             "predicted_step_s": prediction.total_s,
             "predicted": {"compute_s": prediction.compute_s, "h2d_s": prediction.h2d_s, "d2h_s": prediction.d2h_s,
                           "host_optimizer_s": prediction.host_optimizer_s, "bottleneck": prediction.bottleneck},
-            # Where the predicted step's time goes (2026-11-26: 5.17 s predicted for 3.23 s measured at 7B,
-            # 3.79 s for the same plan traced on the meta device here): the planner's own price, the end of
+            # Where the predicted step's time goes (the 7B record of 2026-11-26 was priced 5.17 s, the same
+            # step planned on the meta device 3.73 s: docs/results.md): the planner's own price, the end of
             # the device work, the stalls, the host lane and when the overlapped optimizer's worker ends.
             "predicted_timeline": _timeline(prediction, record),
             "planned_peak_device_bytes": report.planned_peak_device_bytes,
