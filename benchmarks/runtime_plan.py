@@ -1,12 +1,18 @@
 """The plan megatrain's own planner chooses for a model at full depth, and its cost-model price,
 without running anything: the step of ``benchmarks/peers.py`` (HF causal LM, ``labels=``,
-AdamW, decoder layers marked repeated) compiled on the meta device with the megatrain backend,
-stopped once the plan is chosen.
+AdamW, decoder layers marked repeated) compiled with the megatrain backend and stopped once
+the plan is chosen.
+
+The parameters are host tensors allocated but never written (``to_empty``: a 7B model costs
+its page tables, not 27 GB), so the trace is the one a GPU run makes: autocast casts host
+tensors, so the weights' bf16 casts, bf16 loads and the fp32 residual stream are all there.
+(On the meta device autocast casts nothing: the program would be an fp32 one.) The lowering
+is Inductor's and the optimizer overlapped, as on CUDA, so the plan's merged-runs variant is
+built too; only the attention op is the CPU's (the GPU's is substituted at lowering).
 
 ``megacompile plan`` answers "does it fit, how fast" by tracing a few layers and extrapolating;
-this runs the runtime's planner itself over every layer, as a GPU run would (with the CPU's
-attention op in the trace, so a GPU's plan can differ slightly), and prints the ladder of
-plans it built (peak, predicted seconds, recomputed ops) with the one it chose.
+this runs the runtime's planner itself over every layer, as a GPU run would, and prints the
+ladder of plans it built (peak, predicted seconds, recomputed ops) with the one it chose.
 
     python benchmarks/runtime_plan.py MODEL --seq-len 4096 --batch 8 --budget 60GiB \\
         --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json
@@ -27,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megacompile  # noqa: E402
 from megacompile.capture import training_compiler  # noqa: E402
-from megacompile.cli.plan_command.meta_model import _meta_placement, build_model  # noqa: E402
+from megacompile.cli.plan_command.meta_model import build_model  # noqa: E402
 from megacompile.cli.presets import load_model_config  # noqa: E402
 from megacompile.core import torch_compat as compat  # noqa: E402
 from megacompile.core.units import format_bytes, parse_bytes  # noqa: E402
@@ -41,7 +47,7 @@ class _Chosen(Exception):
 
 
 def plan(config: dict, *, seq_len: int, batch: int, budget: int, hardware: str, options: dict) -> tuple:
-    model = build_model(config, int(config["num_hidden_layers"]), "fp32")
+    model = build_model(config, int(config["num_hidden_layers"]), "fp32").to_empty(device="cpu")
     megacompile.mark_repeated_layers(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
 
@@ -70,13 +76,12 @@ def plan(config: dict, *, seq_len: int, batch: int, budget: int, hardware: str, 
     flat_planner._ladder, training_compiler.records.add = ladder, add
     compat.reset_dynamo()
     compiled = torch.compile(step, backend="megatrain", options={
-        "device": "cpu", "lowering": "eager", "precision": "bf16", "memory_budget": budget, "hardware": hardware,
+        "device": "cpu", "lowering": "inductor", "precision": "bf16", "memory_budget": budget, "hardware": hardware,
         "overlap_optimizer": True, "autocast_lists": "cuda", **options})
-    ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    ids = torch.zeros(batch, seq_len, dtype=torch.long)
     started = time.perf_counter()
     try:
-        with _meta_placement():
-            compiled(ids, ids)
+        compiled(ids, ids)
     except Exception:  # noqa: BLE001  (Dynamo wraps _Chosen)
         if "record" not in chosen:
             raise
@@ -102,15 +107,18 @@ def main() -> None:
     profile = get_profile(args.hardware)
     tokens = args.seq_len * args.batch
     predicted = predict_record(record, profile, tokens=tokens)
+    host_s = predicted.forward.host_s + predicted.backward.host_s
+    optimizer_end = max((e.end_s for e in predicted.events if e.lane == "host_optimizer"), default=0.0)
     lines = [f"# benchmarks/runtime_plan.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-             f"torch {torch.__version__} (planned on the meta device; nothing ran)",
+             f"torch {torch.__version__} (planned on unwritten host parameters; nothing ran)",
              "# command: python " + " ".join(sys.argv),
              f"model {args.model}: {config['num_hidden_layers']} layers; {args.batch} x {args.seq_len} tokens; bf16; "
              f"budget {format_bytes(budget)}; profile {profile.name}; planned in {seconds:.0f} s",
              f"chosen: {record.plan.policy}",
              f"predicted step {predicted.total_s:.3f} s (compute {predicted.compute_s:.3f}, h2d {predicted.h2d_s:.3f}, "
              f"d2h {predicted.d2h_s:.3f}, host optimizer {predicted.host_optimizer_s:.3f}, stalls "
-             f"{predicted.exposed_wait_s:.3f})", ""]
+             f"{predicted.exposed_wait_s:.3f}, host ops {host_s:.3f}); forward {predicted.forward.total_s:.3f}, "
+             f"backward {predicted.backward.total_s:.3f}, host optimizer done at {optimizer_end:.3f}", ""]
     if ladders:
         candidates, rungs = ladders[-1]
         lines.append("plans built (* on the ladder): peak, predicted step, recomputed ops")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from megacompile.core import ops
 from megacompile.core.enums import Placement
 from megacompile.core.node_info import identifier, info, set_nbytes
 from megacompile.passes.contract import PassContract
@@ -114,8 +113,3 @@ def run(gm: fx.GraphModule, ctx) -> None:
 
 def host_cast_label(node: fx.Node) -> str:
     return identifier(info(node).source or node.name)
-
-
-def is_host_op(node: fx.Node) -> bool:
-    """A compute op the program runs on the host (today: host casts)."""
-    return node.op == "call_function" and not ops.is_memory_op(node) and info(node).placement == "host"

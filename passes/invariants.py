@@ -19,8 +19,9 @@ import torch
 import torch.fx as fx
 
 from megacompile.core import ops
+from megacompile.core.host_ops import is_host_op
 from megacompile.core.node_info import has_info, info, is_view_node
-from megacompile.passes.host_casts import is_host_cast, is_host_op
+from megacompile.passes.host_casts import is_host_cast
 from megacompile.passes.stream_parameters import alias_uses
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from megacompile.core import ops
+from megacompile.core.host_ops import is_host_op
 from megacompile.passes.contract import PassContract
-from megacompile.passes.host_casts import is_host_op
 from megacompile.passes.stream_parameters import layer_runs
 
 CONTRACT = PassContract(

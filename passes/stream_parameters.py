@@ -21,9 +21,9 @@ import torch.fx as fx
 
 from megacompile.core import ops
 from megacompile.core.enums import Placement, Role
+from megacompile.core.host_ops import is_host_op
 from megacompile.core.node_info import NodeInfo, identifier, info, is_tensor_node, is_view_node, set_nbytes
 from megacompile.passes.contract import PassContract
-from megacompile.passes.host_casts import is_host_op
 
 CONTRACT = PassContract(
     name="stream_parameters",

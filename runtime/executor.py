@@ -30,8 +30,8 @@ import torch.fx as fx
 
 from megacompile.core import ops, workspace
 from megacompile.core import torch_compat as compat
-from megacompile.core.enums import Role
 from megacompile.core.errors import PartialUpdateError
+from megacompile.core.host_ops import is_host_op, is_weight_copy_cast, widened_copy
 from megacompile.core.node_info import has_info, info, is_view_node
 from megacompile.core.torch_compat import no_dispatch_modes
 from megacompile.runtime import profiler_ranges
@@ -163,41 +163,20 @@ def _saved_offloads(returned: dict[fx.Node, int], saved_from: int | None) -> set
     return {n for n, position in returned.items() if n.target is ops.offload and position >= saved_from}
 
 
-def _is_host_op(n: fx.Node) -> bool:
-    return n.op == "call_function" and not ops.is_memory_op(n) and has_info(n) and info(n).placement == "host"
-
-
-_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-
-
-def _is_weight_cast(n: fx.Node) -> bool:
-    """A host cast narrowing a parameter (its bf16 copy on the way to a load): the program
-    takes the persistent copy (``WeightCopy``) instead of casting every call."""
-    if not _is_host_op(n) or n.target not in _CASTS:
-        return False
-    src = n.args[0]
-    return (isinstance(src, fx.Node) and src.op == "placeholder" and has_info(src) and info(src).role == Role.PARAM
-            and n.meta["val"].element_size() < src.meta["val"].element_size())
-
-
 def _staged_on_host(nodes: list[fx.Node]) -> set[fx.Node]:
     """Transient host copies: a host op's result on its way to a load (a bf16 cast of a
     parameter) and an offloaded copy on its way to a host op (a bf16 gradient before its fp32
     cast). A host op's result the graph returns (the fp32 gradient) is not."""
     return {n for n in nodes
-            if (_is_host_op(n) and any(u.target is ops.load for u in n.users))
-            or (n.target is ops.offload and any(_is_host_op(u) for u in n.users))}
+            if (is_host_op(n) and any(u.target is ops.load for u in n.users))
+            or (n.target is ops.offload and any(is_host_op(u) for u in n.users))}
 
 
 def _widened_copy(node: fx.Node, returned: dict[fx.Node, int]) -> fx.Node | None:
-    """bf16: the offloaded narrow copy a returned host op reads as its only value (the cast
-    widening a gradient to fp32), or None. The sink may take that copy as soon as it lands
-    (the host optimizer's kernel widens it exactly) instead of waiting for the cast."""
-    if node not in returned:
-        return None
-    read: list[fx.Node] = []
-    fx.node.map_arg((node.args, node.kwargs), read.append)
-    return read[0] if len(read) == 1 and read[0].target is ops.offload else None
+    """bf16: the offloaded narrow copy a returned host op widens (``host_casts.widened_copy``),
+    or None. The sink may take that copy as soon as it lands (the host optimizer's kernel
+    widens it exactly) instead of waiting for the cast."""
+    return widened_copy(node) if node in returned else None
 
 
 class _Lowering:
@@ -217,7 +196,7 @@ class _Lowering:
         # cast's returned position.
         self.widens: dict[fx.Node, fx.Node] = {}
         for n in nodes:
-            copy = _widened_copy(n, self.returned) if _is_host_op(n) else None
+            copy = _widened_copy(n, self.returned) if is_host_op(n) else None
             if copy is not None:
                 self.widens[n] = copy
         self.widened_at = {copy: self.returned[n] for n, copy in self.widens.items()}
@@ -290,7 +269,7 @@ class _Lowering:
                          fn=node.target, args=self.template(node.args), kwargs=self.template(node.kwargs))
 
     def host_op(self, node: fx.Node) -> HostOp | WeightCopy:
-        if _is_weight_cast(node):
+        if is_weight_copy_cast(node):
             return WeightCopy(name=node.name, layer=info(node).layer, out=self.slot(node),
                               source=self.slot(node.args[0]), dtype=node.meta["val"].dtype)
         fields = dict(name=node.name, layer=info(node).layer, out=self.slot(node), fn=node.target,

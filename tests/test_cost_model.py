@@ -458,6 +458,61 @@ def test_step_time_on_a_rewritten_program(mlp_program):
     assert recorded.total_s == pytest.approx(pred.total_s)
 
 
+@pytest.fixture(scope="module")
+def bf16_mlp_record():
+    from reference_models import MLP, REFERENCE_MODELS, make_training_step
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP(depth=3)
+    _, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
+    step, _ = make_training_step(model, loss_fn)
+    step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager",
+                                                            "precision": "bf16"})
+    with recording() as compiled:
+        step(*make_batch(torch.Generator().manual_seed(1)))
+    torch._dynamo.reset()
+    return [r for r in compiled if r.backward is not None][-1], sum(p.numel() * 2 for p in model.parameters())
+
+
+def test_host_casts_the_runtime_serves_cost_no_time(bf16_mlp_record):
+    """A weight's bf16 cast is served from its persistent copy (runtime/weight_copies.py): the
+    overlapped optimizer rewrites the copy in its update, otherwise the step's first load of the
+    weight does. A landed bf16 gradient's widening cast does not run where the overlapped
+    optimizer takes the gradient. The other host ops cost bytes / host memory bandwidth."""
+    from megacompile.core.host_ops import is_host_op, is_weight_copy_cast, widened_copy
+
+    record, param_bytes = bf16_mlp_record
+    profile = get_profile("h100-sxm")
+    cost = lambda n: n.meta[cm.COST_KEY].time_s  # noqa: E731
+    fwd_host = [n for n in record.forward.graph.nodes if is_host_op(n)]
+    bwd_host = [n for n in record.backward.graph.nodes if is_host_op(n)]
+    fwd_casts = [n for n in fwd_host if is_weight_copy_cast(n)]
+    bwd_casts = [n for n in bwd_host if is_weight_copy_cast(n)]
+    widens = [n for n in bwd_host if widened_copy(n) is not None]
+    assert len(fwd_casts) >= 3 and len(widens) >= 3  # a cast per linear weight and bias; a widen per gradient
+    kw = dict(optimizer_param_bytes=param_bytes, precision="bf16")
+
+    sync = cm.step_time(record.forward, record.backward, profile, **kw)
+    cast_in_forward = {info(n.args[0]).source for n in fwd_casts}
+    first_in_backward = {}
+    for n in bwd_casts:
+        first_in_backward.setdefault(info(n.args[0]).source, n)
+    others_fwd = [n for n in fwd_host if n not in fwd_casts]
+    others_bwd = [n for n in bwd_host if n not in bwd_casts]
+    assert sync.forward.host_s == pytest.approx(sum(map(cost, fwd_casts + others_fwd)))
+    assert all(cost(n) > 0 for n in fwd_casts + widens)
+    assert sync.backward.host_s == pytest.approx(
+        sum(map(cost, others_bwd)) + sum(cost(n) for s, n in first_in_backward.items() if s not in cast_in_forward))
+
+    over = cm.step_time(record.forward, record.backward, profile, overlap_optimizer=True, **kw)
+    assert over.forward.host_s == pytest.approx(sum(map(cost, others_fwd)))
+    assert over.backward.host_s == pytest.approx(sum(cost(n) for n in others_bwd if n not in widens))
+    assert not any(e.lane == "host" and e.name in {n.name for n in fwd_casts + bwd_casts + widens}
+                   for e in over.events)
+    assert over.total_s < sync.total_s
+
+
 def test_tighter_link_predicts_a_slower_step(mlp_program):
     record, _, param_bytes = mlp_program
     base = get_profile("h100-sxm")

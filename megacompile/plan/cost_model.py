@@ -8,7 +8,9 @@ a ``HardwareProfile``:
 - compute ops: roofline ``max(flops / device FLOP/s, bytes / HBM bandwidth)`` plus a per-op
   launch overhead (``launch_overhead_s``) for every op that runs a kernel;
 - ``load``: bytes / h2d bandwidth on the ``h2d`` lane; ``offload``: bytes / d2h bandwidth on
-  the ``d2h`` lane; ``wait`` / ``evict``: no time of their own.
+  the ``d2h`` lane; ``wait`` / ``evict``: no time of their own;
+- host ops (host casts): bytes / host memory bandwidth on the thread that issues the device
+  work, except the casts the runtime does not run (``HostCastsServed``).
 
 ``simulate`` replays one program in node order the way the streaming runtime runs it: one
 compute lane, one FIFO copy lane each way; a ``load`` is issued when the compute lane reaches
@@ -33,6 +35,7 @@ from torch.utils import flop_counter as _fc
 
 from megacompile.core import ops
 from megacompile.core import torch_compat as compat
+from megacompile.core.host_ops import is_weight_copy_cast, widened_copy
 from megacompile.core.node_info import has_info, info, is_view_node
 from megacompile.core.torch_compat import int_hint
 from megacompile.plan.hardware import ADAMW_BYTES_PER_PARAM, HardwareProfile
@@ -337,6 +340,35 @@ def annotate_costs(gm: fx.GraphModule, profile: HardwareProfile, precision: str 
 
 
 # --- the lane simulation ----------------------------------------------------------------
+@dataclasses.dataclass
+class HostCastsServed:
+    """Which host casts of a step the runtime serves without casting, so they cost no time:
+
+    - a parameter's narrowing cast (``host_casts.is_weight_copy_cast``) takes the parameter's
+      persistent bf16 copy. The overlapped optimizer rewrites that copy in its update's pass
+      (``copies_written_by_optimizer``); otherwise the step's first load of the parameter
+      rewrites it (the cast is paid once a step) and later loads take it as it is;
+    - the cast widening a landed bf16 gradient (``host_casts.widened_copy``) does not run where
+      the overlapped optimizer takes the gradient (``gradients_taken``): its kernel reads the
+      bf16 copy.
+
+    One instance spans the graphs of a step, in order (it remembers the parameters cast)."""
+
+    copies_written_by_optimizer: bool = False
+    gradients_taken: bool = False
+    cast_this_step: set[str] = dataclasses.field(default_factory=set)
+
+    def free(self, node: fx.Node) -> bool:
+        if is_weight_copy_cast(node):
+            if self.copies_written_by_optimizer:
+                return True
+            weight = info(node.args[0]).source or node.args[0].name
+            first = weight not in self.cast_this_step
+            self.cast_this_step.add(weight)
+            return not first
+        return self.gradients_taken and widened_copy(node) is not None
+
+
 class TimelineEvent(NamedTuple):
     lane: str  # compute | h2d | d2h | stall (compute lane waiting for a copy) | host | host_optimizer
     name: str
@@ -365,6 +397,7 @@ class LaneTimeline:
     h2d_s: float = 0.0
     d2h_s: float = 0.0
     exposed_wait_s: float = 0.0  # compute lane idle, waiting for copies
+    host_s: float = 0.0  # host ops run by the issuing thread (the compute lane waits for them)
     flops: int = 0
     # FLOPs of ops replayed in the backward (NodeInfo.phase == "recompute"); included in flops.
     recompute_flops: int = 0
@@ -404,7 +437,7 @@ def _copy_of(node: Any, done: dict) -> fx.Node | None:
 
 def simulate(gm: fx.GraphModule, profile: HardwareProfile, precision: str = "fp32", *,
              synchronous_copies: bool | None = None, launch_overhead: float | None = None,
-             start_s: float = 0.0) -> LaneTimeline:
+             start_s: float = 0.0, served: HostCastsServed | None = None) -> LaneTimeline:
     """Replay one rewritten program on the profile's lanes, in node order.
 
     - compute ops run one after another on the compute lane;
@@ -416,10 +449,13 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile, precision: str = "fp3
     ``synchronous_copies``: copies run on the compute lane's thread and block it, as the CPU
     stand-in device does; default: True for CPU stand-in profiles, False otherwise.
     ``start_s`` shifts the whole timeline (events and ``total_s``), for chaining graphs.
+    ``served``: the host casts the runtime does not run (default: a weight cast costs at its
+    parameter's first cast in this graph only, as with a synchronous optimizer).
     """
     annotate_costs(gm, profile, precision, launch_overhead=launch_overhead)
     if synchronous_copies is None:
         synchronous_copies = is_cpu_standin(profile)
+    served = HostCastsServed() if served is None else served
     tl = LaneTimeline()
     t_compute = h2d_free = d2h_free = start_s
     ready: dict[fx.Node, float] = {}  # when a value exists
@@ -477,14 +513,18 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile, precision: str = "fp3
             ready[node] = t_compute
             continue
         begin = t_compute
-        t_compute = begin + c.time_s
-        ready[node] = t_compute
         if c.lane == "host":
             # The thread that issues the device work runs it: it delays what follows, but
             # it is not device compute.
-            if c.time_s > 0:
-                tl.events.append(TimelineEvent("host", node.name, begin, t_compute))
+            if not served.free(node):
+                t_compute = begin + c.time_s
+                tl.host_s += c.time_s
+                if c.time_s > 0:
+                    tl.events.append(TimelineEvent("host", node.name, begin, t_compute))
+            ready[node] = t_compute
             continue
+        t_compute = begin + c.time_s
+        ready[node] = t_compute
         if c.time_s > 0:
             tl.compute_s += c.time_s
             layer(node).compute_s += c.time_s
@@ -582,8 +622,13 @@ def step_time(forward_gm: fx.GraphModule, backward_gm: fx.GraphModule | None, pr
     are done.
     """
     kw = dict(synchronous_copies=synchronous_copies, launch_overhead=launch_overhead)
-    fwd = simulate(forward_gm, profile, precision, **kw)
-    bwd = simulate(backward_gm, profile, precision, start_s=fwd.total_s, **kw) if backward_gm is not None else None
+    served = HostCastsServed(copies_written_by_optimizer=overlap_optimizer)
+    fwd = simulate(forward_gm, profile, precision, served=served, **kw)
+    if backward_gm is not None:
+        served.gradients_taken = overlap_optimizer
+        bwd = simulate(backward_gm, profile, precision, start_s=fwd.total_s, served=served, **kw)
+    else:
+        bwd = None
     graphs = [t for t in (fwd, bwd) if t is not None]
     params = int(optimizer_param_bytes) // _PARAM_BYTES[precision]
     opt_s = params / profile.estimated_host_adamw_params_per_s() if params else 0.0

@@ -44,7 +44,7 @@ from megacompile.core.units import format_bytes
 from megacompile.passes import facts_after
 from megacompile.passes.recompute import SavedValueWalk
 from megacompile.passes.stream_parameters import layer_runs
-from megacompile.plan.cost_model import annotate_costs, cost, is_cpu_standin, simulate, step_time
+from megacompile.plan.cost_model import HostCastsServed, annotate_costs, cost, is_cpu_standin, simulate, step_time
 from megacompile.plan.memory_estimate import storage_root
 from megacompile.plan.solvers import SOLVERS, Option
 from megacompile.plan.streamed_layers import (
@@ -337,7 +337,7 @@ class PlanMaker:
     def deeper_prefetch(self, a: Attempt) -> Attempt | None:
         """``a`` with every streamed value whose load stalls the compute lane (by the cost
         model's lane simulation) prefetched one layer further ahead, or None if none stalls."""
-        stalls = _load_stalls(a, self.profile, self.options.precision)
+        stalls = _load_stalls(a, self.profile, self.options.precision, self.options.overlaps_optimizer)
         if not stalls:
             return None
         p = a.plan
@@ -641,15 +641,17 @@ def ladder_of(candidates: list, numbers: Callable) -> list:
 _MAX_PREFETCH = 4
 
 
-def _load_stalls(attempt: Attempt, profile, precision: str) -> dict[str, float]:
+def _load_stalls(attempt: Attempt, profile, precision: str, overlapped_optimizer: bool) -> dict[str, float]:
     """Streamed value (by source name) -> seconds the compute lane waits for its loads,
     over the forward and the backward, by the cost model's lane simulation."""
     stalls: dict[str, float] = {}
+    served = HostCastsServed(copies_written_by_optimizer=overlapped_optimizer)
     for gm in (attempt.forward, attempt.backward):
         if gm is None:
             continue
+        served.gradients_taken = overlapped_optimizer and gm is attempt.backward
         waits = {n.name: n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.wait}
-        for event in simulate(gm, profile, precision).events:
+        for event in simulate(gm, profile, precision, served=served).events:
             wait = waits.get(event.name) if event.lane == "stall" else None
             load = wait.args[0] if wait is not None else None
             if load is None or load.target is not ops.load or load.args[0].op != "placeholder":
