@@ -192,6 +192,12 @@ def table(doc: dict) -> str:
         if m.get("predicted_step_s"):
             lines.append(f"megatrain step {ours['step_s']:.3f} s vs cost model {m['predicted_step_s']:.3f} s "
                          f"(measured / predicted {ours['step_s'] / m['predicted_step_s']:.2f}; {m.get('predicted')})")
+            if m.get("predicted_step_s_at_in_step_adamw_rate"):
+                rates = m.get("host_adamw_params_per_s") or {}
+                lines.append(f"  priced with the host AdamW rate measured in the step ({rates.get('in_step', 0) / 1e9:.2f} "
+                             f"G params/s; profile {rates.get('profile', 0) / 1e9:.2f}): "
+                             f"{m['predicted_step_s_at_in_step_adamw_rate']:.3f} s (measured / predicted "
+                             f"{ours['step_s'] / m['predicted_step_s_at_in_step_adamw_rate']:.2f})")
             if m.get("predicted_timeline"):
                 lines.append(f"  cost model timeline: {m['predicted_timeline']}")
         if m.get("host_thread"):

@@ -46,7 +46,10 @@ class _Chosen(Exception):
     """Raised once the plan is recorded: nothing is lowered or run."""
 
 
-def plan(config: dict, *, seq_len: int, batch: int, budget: int, hardware: str, options: dict) -> tuple:
+def plan(config: dict, *, seq_len: int, batch: int, budget: int, hardware: str, options: dict,
+         policy: str | None = None) -> tuple:
+    """(record, ladders, seconds, model). ``policy``: take the plan of that name (as
+    ``TrainingPlan.policy`` spells it, without ", merged runs") instead of the planner's pick."""
     model = build_model(config, int(config["num_hidden_layers"]), "fp32").to_empty(device="cpu")
     megacompile.mark_repeated_layers(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
@@ -65,7 +68,8 @@ def plan(config: dict, *, seq_len: int, batch: int, budget: int, hardware: str, 
     def ladder(candidates):
         out = original_ladder(candidates)
         ladders.append((list(candidates), out))
-        return out
+        named = [c for c in candidates if c.plan.policy == policy]
+        return named or out  # the planner draws ladders before it builds every mix
 
     def add(record):
         original_add(record)
@@ -88,7 +92,13 @@ def plan(config: dict, *, seq_len: int, batch: int, budget: int, hardware: str, 
     finally:
         flat_planner._ladder, training_compiler.records.add = original_ladder, original_add
         compat.reset_dynamo()
-    return chosen["record"], ladders, time.perf_counter() - started
+    taken = chosen["record"].plan.policy.removesuffix(", merged runs")
+    if policy is not None and taken != policy:
+        built = sorted({c.plan.policy for candidates, _ in ladders for c in candidates})
+        raise ValueError(f"no plan named {policy!r} was built (the planner took {taken!r}); built: {built}")
+    # The record holds its parameters weakly: the model goes back with it, to be held while
+    # the record is priced (the host optimizer's share counts the parameters alive).
+    return chosen["record"], ladders, time.perf_counter() - started, model
 
 
 def main() -> None:
@@ -102,11 +112,14 @@ def main() -> None:
     args = p.parse_args()
     config = load_model_config(args.model)
     budget = parse_bytes(args.budget)
-    record, ladders, seconds = plan(config, seq_len=args.seq_len, batch=args.batch, budget=budget,
+    record, ladders, seconds, model = plan(config, seq_len=args.seq_len, batch=args.batch, budget=budget,
                                     hardware=args.hardware, options={})
     profile = get_profile(args.hardware)
     tokens = args.seq_len * args.batch
     predicted = predict_record(record, profile, tokens=tokens)
+    params = sum(p.numel() for p in model.parameters())
+    if predicted.optimizer_params != params:
+        raise RuntimeError(f"the record counts {predicted.optimizer_params} parameters, the model has {params}")
     host_s = predicted.forward.host_s + predicted.backward.host_s
     optimizer_end = max((e.end_s for e in predicted.events if e.lane == "host_optimizer"), default=0.0)
     lines = [f"# benchmarks/runtime_plan.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
@@ -114,7 +127,7 @@ def main() -> None:
              "# command: python " + " ".join(sys.argv),
              f"model {args.model}: {config['num_hidden_layers']} layers; {args.batch} x {args.seq_len} tokens; bf16; "
              f"budget {format_bytes(budget)}; profile {profile.name}; planned in {seconds:.0f} s",
-             f"chosen: {record.plan.policy}",
+             f"chosen: {record.plan.policy}; planned peak {format_bytes(record.plan.peak_bytes)}",
              f"predicted step {predicted.total_s:.3f} s (compute {predicted.compute_s:.3f}, h2d {predicted.h2d_s:.3f}, "
              f"d2h {predicted.d2h_s:.3f}, host optimizer {predicted.host_optimizer_s:.3f}, stalls "
              f"{predicted.exposed_wait_s:.3f}, host ops {host_s:.3f}); forward {predicted.forward.total_s:.3f}, "

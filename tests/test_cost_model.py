@@ -408,6 +408,38 @@ def test_roofline_floor():
     assert cm.roofline_floor(0, 0, 4e6, 0, ROUND) == pytest.approx(4 * MS)
 
 
+def test_pointwise_chains_are_priced_as_the_fused_kernels_inductor_makes():
+    """RMSNorm before a matmul: mean(x*x), rsqrt, x*r. Fused, x is read twice (the reduction's
+    kernel and the scaling's), only the normed result is written (the matmul reads it), and
+    only the op that writes it launches; eagerly every op reads and writes its own tensors.
+    Another layer's pointwise op does not fuse with them."""
+    p = Program()
+    x, w = p.input("x", (1000, 1000)), p.input("w", (1000, 1000))
+    sq = p._node(aten.mul.Tensor, (x, x), "layers.0")
+    ms = p._node(aten.mean.dim, (sq, [-1], True), "layers.0")
+    eps = p._node(aten.add.Tensor, (ms, 1e-6), "layers.0")
+    r = p._node(aten.rsqrt.default, (eps,), "layers.0")
+    normed = p._node(aten.mul.Tensor, (x, r), "layers.0")
+    y = p.mm(normed, w, "layers.0")
+    z = p._node(aten.relu.default, (normed,), "layers.1")
+    gm = p.done(y, z)
+    big, small = 1000 * 1000 * 4, 1000 * 4
+    overhead = 1e-6
+    fused = _sim(gm, launch_overhead=overhead, fused_pointwise=True)
+    fused_costs = {n.name: cm.cost(n) for n in gm.graph.nodes if n.op == "call_function"}
+    eager = _sim(gm, launch_overhead=overhead, fused_pointwise=False)
+    assert fused_costs[sq.name].bytes_touched == big and fused_costs[sq.name].time_s == big / 1e12
+    assert [fused_costs[n.name].bytes_touched for n in (ms, eps, r)] == [0, 0, 0]
+    assert fused_costs[normed.name].bytes_touched == 2 * big  # reads x, writes the result
+    assert fused_costs[normed.name].time_s == pytest.approx(2 * big / 1e12 + overhead)
+    assert fused_costs[z.name].bytes_touched == 2 * big  # layers.1: its own kernel
+    eager_pointwise = (2 * big) + (big + small) + 2 * small + 2 * small + (big + small + big)
+    pointwise_fused = big + 2 * big + 2 * big
+    mm_s = 2e9 / 1e12 + overhead
+    assert fused.compute_s == pytest.approx(mm_s + pointwise_fused / 1e12 + 2 * overhead)
+    assert eager.compute_s == pytest.approx(mm_s + (eager_pointwise + 2 * big) / 1e12 + 6 * overhead)
+
+
 # --- a real rewritten program ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mlp_program():
@@ -433,7 +465,9 @@ def mlp_program():
 def test_step_time_on_a_rewritten_program(mlp_program):
     record, eager_flops, param_bytes = mlp_program
     profile = get_profile("h100-sxm")
-    pred = cm.step_time(record.forward, record.backward, profile, optimizer_param_bytes=param_bytes, tokens=16)
+    # Lowered eagerly: no op fuses (predict_record reads that from the record's options).
+    pred = cm.step_time(record.forward, record.backward, profile, optimizer_param_bytes=param_bytes, tokens=16,
+                        fused_pointwise=False)
     assert pred.bottleneck in cm.STEP_LANES
     for lane, seconds in pred.lane_s().items():
         assert seconds > 0, lane

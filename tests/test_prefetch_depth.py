@@ -96,7 +96,9 @@ def predicted(record):
     from megacompile.plan.hardware import get_profile
 
     param_bytes = sum(record.param_bytes_by_layer.values())
-    return step_time(record.forward, record.backward, get_profile("h100-pcie"), optimizer_param_bytes=param_bytes)
+    # Lowered eagerly (train()'s options): no op fuses, as the planner priced it.
+    return step_time(record.forward, record.backward, get_profile("h100-pcie"), optimizer_param_bytes=param_bytes,
+                     fused_pointwise=False)
 
 
 def train_with_prefetch_disabled():

@@ -4,6 +4,7 @@ bf16 compute with fp32 master weights, gradients and AdamW states on the host; t
 layers marked repeated so one layer is traced and the template planner prices the plans."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -49,17 +50,25 @@ def train(workload) -> dict:
     record = [r for r in records if r.backward is not None][-1]
     profile = get_profile(record.options.hardware_profile())
     prediction = predict_record(record, profile, tokens=workload.tokens_per_step)
+    # The same program priced with the host AdamW rate this step measured (its updates' seconds
+    # per parameter), beside the profile's idle-host rate: what of a miss is the optimizer's.
+    optimizer = report.optimizer or {}
+    in_step_rate = (record.num_params / optimizer["update_seconds"]
+                    if optimizer.get("update_seconds") and record.num_params else None)
+    at_in_step_rate = (predict_record(record, dataclasses.replace(profile, host_adamw_params_per_s=in_step_rate),
+                                      tokens=workload.tokens_per_step).total_s if in_step_rate else None)
     return {
         "step_times": times,
         "losses": losses,
         "notes": f"megacompile, options {options}; {len(marked)} layers marked repeated; plan: {report.policy}",
         "megatrain": {
             "predicted_step_s": prediction.total_s,
+            "host_adamw_params_per_s": {"profile": profile.estimated_host_adamw_params_per_s(), "in_step": in_step_rate},
+            "predicted_step_s_at_in_step_adamw_rate": at_in_step_rate,
             "predicted": {"compute_s": prediction.compute_s, "h2d_s": prediction.h2d_s, "d2h_s": prediction.d2h_s,
                           "host_optimizer_s": prediction.host_optimizer_s, "bottleneck": prediction.bottleneck},
-            # Where the predicted step's time goes (the 7B record of 2026-11-26 was priced 5.17 s, the same
-            # step planned on the meta device 3.73 s: docs/results.md): the planner's own price, the end of
-            # the device work, the stalls, the host lane and when the overlapped optimizer's worker ends.
+            # Where the predicted step's time goes: the planner's own price, the end of the device work,
+            # the stalls, the host lane and when the overlapped optimizer's worker ends.
             "predicted_timeline": _timeline(prediction, record),
             "planned_peak_device_bytes": report.planned_peak_device_bytes,
             "measured_peak_device_bytes": report.measured_peak_device_bytes,

@@ -223,7 +223,8 @@ class TrainingCompiler:
         def predict_seconds(attempt) -> float:
             return step_time(attempt.forward, attempt.backward, profile, optimizer_param_bytes=param_bytes,
                              precision=self.options.precision,
-                             overlap_optimizer=self.options.overlaps_optimizer).total_s
+                             overlap_optimizer=self.options.overlaps_optimizer,
+                             fused_pointwise=None if self.options.lowering == "inductor" else False).total_s
 
         def make_maker(build) -> PlanMaker:
             return PlanMaker(build, self.options, profile, predict_seconds)

@@ -6,7 +6,10 @@ fake tensors' sizes at the traced example), the bytes it reads and writes, and i
 a ``HardwareProfile``:
 
 - compute ops: roofline ``max(flops / device FLOP/s, bytes / HBM bandwidth)`` plus a per-op
-  launch overhead (``launch_overhead_s``) for every op that runs a kernel;
+  launch overhead (``launch_overhead_s``) for every op that runs a kernel. Where the program
+  is compiled by Inductor on a GPU (``fused_pointwise``), a layer's chains of pointwise ops and
+  the reductions they feed run as fused kernels: a value passed between two of them is neither
+  written nor read again, and only an op whose result leaves the chain pays a launch;
 - ``load``: bytes / h2d bandwidth on the ``h2d`` lane; ``offload``: bytes / d2h bandwidth on
   the ``d2h`` lane; ``wait`` / ``evict``: no time of their own;
 - host ops (host casts): bytes / host memory bandwidth on the thread that issues the device
@@ -301,6 +304,76 @@ def node_bytes_touched(node: fx.Node) -> int:
     return read + _tensor_bytes(out)
 
 
+# Reductions Inductor fuses with the pointwise ops that feed them (RMSNorm's mean of squares,
+# a bias gradient's sum).
+_FUSED_REDUCTIONS = frozenset({
+    torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default, torch.ops.aten.mean.dim,
+    torch.ops.aten.mean.default, torch.ops.aten.amax.default, torch.ops.aten.amin.default,
+})
+_DTYPE_CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default})
+
+
+class PointwiseFusion:
+    """Which device ops of one program Inductor runs as fused kernels, and what they then move.
+
+    Fusible: device ops tagged pointwise, dtype casts and the reductions above. Inside one
+    layer, a fusible op's input made by another fusible op (through views) stays in registers
+    (not read from memory), and its result is written only if something other than a fusible
+    op of its layer reads it (a matmul, a copy, the graph's output, another layer). The ops of
+    a fused kernel pay one launch: the op whose result is written."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self._fusible: dict[fx.Node, bool] = {}
+        for node in gm.graph.nodes:
+            self._fusible[node] = self._is_fusible(node)
+
+    @staticmethod
+    def _is_fusible(node: fx.Node) -> bool:
+        if node.op != "call_function" or not isinstance(node.target, compat.OpOverload):
+            return False
+        if ops.is_memory_op(node) or is_view_node(node) or not has_info(node) or info(node).placement != "device":
+            return False
+        target = node.target
+        return torch.Tag.pointwise in target.tags or target in _FUSED_REDUCTIONS or target in _DTYPE_CASTS
+
+    def fusible(self, node: fx.Node) -> bool:
+        return self._fusible.get(node, False)
+
+    @staticmethod
+    def _base(node: fx.Node) -> fx.Node:
+        seen = 0
+        while is_view_node(node) and node.all_input_nodes and seen < 64:
+            node, seen = node.all_input_nodes[0], seen + 1
+        return node
+
+    def _readers(self, node: fx.Node) -> list[fx.Node]:
+        """Who reads ``node``'s memory: its users, through views."""
+        out, stack, seen = [], list(node.users), set()
+        while stack:
+            user = stack.pop()
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "call_function" and is_view_node(user):
+                stack.extend(user.users)
+            else:
+                out.append(user)
+        return out
+
+    def _same_kernel(self, a: fx.Node, b: fx.Node) -> bool:
+        return self.fusible(a) and self.fusible(b) and info(a).layer == info(b).layer
+
+    def bytes_and_launch(self, node: fx.Node) -> tuple[int, bool]:
+        """(bytes read from and written to memory, whether it launches a kernel) of a fusible op."""
+        read = 0
+        for value in dict.fromkeys(node.all_input_nodes):
+            if not self._same_kernel(self._base(value), node):
+                read += _tensor_bytes(value.meta.get("val"))
+        readers = self._readers(node)
+        written = not readers or any(not self._same_kernel(node, r) for r in readers)
+        return read + (_tensor_bytes(node.meta.get("val")) if written else 0), written
+
+
 def _lane(node: fx.Node) -> str:
     if node.target is ops.load:
         return "h2d"
@@ -312,19 +385,27 @@ def _lane(node: fx.Node) -> str:
 
 
 def annotate_costs(gm: fx.GraphModule, profile: HardwareProfile, precision: str = "fp32", *,
-                   launch_overhead: float | None = None) -> None:
+                   launch_overhead: float | None = None, fused_pointwise: bool | None = None) -> None:
     """Store a ``NodeCost`` under ``node.meta["megatrain_cost"]`` for every call_function node.
 
     ``launch_overhead``: seconds per kernel-running op; default ``launch_overhead_s(profile)``.
+    ``fused_pointwise``: price pointwise chains as fused kernels (``PointwiseFusion``); default:
+    on GPU profiles (a GPU program is lowered by Inductor unless the user asks for eager).
     """
     peak = device_flops(profile, precision)
     overhead = launch_overhead_s(profile) if launch_overhead is None else float(launch_overhead)
+    if fused_pointwise is None:
+        fused_pointwise = not is_cpu_standin(profile)
+    fusion = PointwiseFusion(gm) if fused_pointwise else None
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         lane = _lane(node)
         flops = node_flops(node)
         nbytes = node_bytes_touched(node)
+        launches = True
+        if fusion is not None and lane == "compute" and fusion.fusible(node):
+            nbytes, launches = fusion.bytes_and_launch(node)
         if lane == "h2d":
             time_s = nbytes / profile.h2d_bandwidth
         elif lane == "d2h":
@@ -334,7 +415,7 @@ def annotate_costs(gm: fx.GraphModule, profile: HardwareProfile, precision: str 
         elif lane == "host":
             flops, time_s = 0, nbytes / profile.host_memory_bandwidth
         else:
-            time_s = max(flops / peak, nbytes / profile.hbm_bandwidth) + overhead
+            time_s = max(flops / peak, nbytes / profile.hbm_bandwidth) + (overhead if launches else 0.0)
         node.meta[COST_KEY] = NodeCost(flops=flops, bytes_touched=nbytes, time_s=time_s, lane=lane,
                                        profile=profile.name, precision=precision)
 
@@ -437,7 +518,8 @@ def _copy_of(node: Any, done: dict) -> fx.Node | None:
 
 def simulate(gm: fx.GraphModule, profile: HardwareProfile, precision: str = "fp32", *,
              synchronous_copies: bool | None = None, launch_overhead: float | None = None,
-             start_s: float = 0.0, served: HostCastsServed | None = None) -> LaneTimeline:
+             start_s: float = 0.0, served: HostCastsServed | None = None,
+             fused_pointwise: bool | None = None) -> LaneTimeline:
     """Replay one rewritten program on the profile's lanes, in node order.
 
     - compute ops run one after another on the compute lane;
@@ -452,7 +534,7 @@ def simulate(gm: fx.GraphModule, profile: HardwareProfile, precision: str = "fp3
     ``served``: the host casts the runtime does not run (default: a weight cast costs at its
     parameter's first cast in this graph only, as with a synchronous optimizer).
     """
-    annotate_costs(gm, profile, precision, launch_overhead=launch_overhead)
+    annotate_costs(gm, profile, precision, launch_overhead=launch_overhead, fused_pointwise=fused_pointwise)
     if synchronous_copies is None:
         synchronous_copies = is_cpu_standin(profile)
     served = HostCastsServed() if served is None else served
@@ -611,7 +693,7 @@ class StepTimePrediction:
 def step_time(forward_gm: fx.GraphModule, backward_gm: fx.GraphModule | None, profile: HardwareProfile, *,
               optimizer_param_bytes: int, precision: str = "fp32", tokens: int | None = None,
               synchronous_copies: bool | None = None, launch_overhead: float | None = None,
-              overlap_optimizer: bool = False) -> StepTimePrediction:
+              overlap_optimizer: bool = False, fused_pointwise: bool | None = None) -> StepTimePrediction:
     """Predicted time of one training step: forward, backward and the host optimizer.
 
     The optimizer updates ``optimizer_param_bytes / bytes-per-param`` parameters at
@@ -621,7 +703,7 @@ def step_time(forward_gm: fx.GraphModule, backward_gm: fx.GraphModule | None, pr
     has landed (``optimizer_landings``); the step ends when both the backward and the worker
     are done.
     """
-    kw = dict(synchronous_copies=synchronous_copies, launch_overhead=launch_overhead)
+    kw = dict(synchronous_copies=synchronous_copies, launch_overhead=launch_overhead, fused_pointwise=fused_pointwise)
     served = HostCastsServed(copies_written_by_optimizer=overlap_optimizer)
     fwd = simulate(forward_gm, profile, precision, served=served, **kw)
     if backward_gm is not None:
@@ -703,6 +785,8 @@ def predict_record(record, profile: HardwareProfile, *, tokens: int | None = Non
     """``step_time`` for a ``capture.CompiledGraph`` (its graphs, parameter count, precision)."""
     precision = getattr(record.options, "precision", "fp32")
     kw.setdefault("overlap_optimizer", record.options.overlaps_optimizer)
+    if record.options.lowering != "inductor":
+        kw.setdefault("fused_pointwise", False)
     return step_time(record.forward, record.backward, profile,
                      optimizer_param_bytes=optimizer_param_bytes(record.num_params, precision),
                      precision=precision, tokens=tokens, **kw)
