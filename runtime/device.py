@@ -271,7 +271,7 @@ class CudaDevice(StreamingDevice):
         with torch.cuda.stream(self.h2d_stream):
             copy_start = _timing_event(self.h2d_stream) if recorder is not None else None
             dev.copy_(src, non_blocking=True)
-            event = torch.cuda.Event(enable_timing=recorder is not None)
+            event = _host_waited_event(recorder is not None)
             event.record(self.h2d_stream)
         self._events[dev] = event
         if src is host:  # the copy reads the host tensor's own memory (not a staged copy of it)
@@ -320,7 +320,7 @@ class CudaDevice(StreamingDevice):
             # Recorded after the waits: the event marks when the copy can start.
             copy_start = _timing_event(self.d2h_stream) if recorder is not None else None
             host.copy_(device_tensor, non_blocking=True)
-            event = torch.cuda.Event(enable_timing=recorder is not None)
+            event = _host_waited_event(recorder is not None)
             event.record(self.d2h_stream)
         # The device copy must not be reused before the DMA has read it.
         device_tensor.record_stream(self.d2h_stream)
@@ -363,7 +363,7 @@ class CudaDevice(StreamingDevice):
     def layer_started(self, limit):
         if limit is None:
             return
-        mark = torch.cuda.Event()
+        mark = _host_waited_event(False)
         mark.record(torch.cuda.current_stream(self.torch_device))
         recorder = trace.active()
         self.lead.layer_started(mark, limit, on_blocked=recorder.add_throttle if recorder is not None else None)
@@ -385,6 +385,15 @@ class CudaDevice(StreamingDevice):
             event = self._last_read.get(t.untyped_storage().data_ptr())
             if event is not None:
                 event.synchronize()
+
+
+def _host_waited_event(timing: bool) -> "torch.cuda.Event":
+    """An event a host thread may wait for. Blocking: the waiting thread sleeps instead of
+    spinning on a core (CUDA spins by default with fewer contexts than cores), and the host
+    AdamW's threads, which update layers while the driving thread and the optimizer's own
+    thread wait for copies, get every core. A wait here is a layer's copy or compute (ms), so
+    the wake-up's tens of microseconds do not show."""
+    return torch.cuda.Event(enable_timing=timing, blocking=True)
 
 
 def _timing_event(stream) -> "torch.cuda.Event":
