@@ -19,7 +19,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import sys
 
 import torch
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import runtime_plan  # noqa: E402
+from _machine import cpu_model, write_result  # noqa: E402
 
 from megacompile.plan.cost_model import predict_record  # noqa: E402
 from megacompile.plan.hardware import get_profile  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("peers_json", help="a peers.py result with a megatrain row")
     p.add_argument("--hardware", default=None, help="profile to price with (default: the run's)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="result file (default: benchmarks/results/reprice_measured-<date>-cpu-<N>core.txt)")
     args = p.parse_args()
     run = json.load(open(args.peers_json, encoding="utf-8"))
     workload, row = run["workload"], run["systems"]["megatrain"]
@@ -77,7 +77,7 @@ def main() -> None:
     same = (abs(priced.h2d_s - ran["predicted"]["h2d_s"]) < 1e-9 and abs(priced.d2h_s - ran["predicted"]["d2h_s"]) < 1e-9)
     lines = [
         f"# benchmarks/reprice_measured.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__} (priced here; nothing ran)",
+        f"{cpu_model()}, torch {torch.__version__} (priced here; nothing ran)",
         "# command: python " + " ".join(sys.argv),
         f"run: {args.peers_json} ({run['date']}, {run['gpu']}, torch {run['torch']}): {run['model']}; "
         f"{workload['batch']} x {workload['seq']} tokens; measured step {measured:.3f} s",
@@ -91,11 +91,7 @@ def main() -> None:
         _line(f"profile AdamW {profile.estimated_host_adamw_params_per_s() / 1e9:.2f} G params/s", priced, measured),
         _line(f"in-step AdamW {in_step / 1e9:.2f} G params/s", at_in_step, measured),
     ]
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+    write_result("\n".join(lines), "reprice_measured-{date}-cpu-{cores}core.txt", args.out)
 
 
 if __name__ == "__main__":

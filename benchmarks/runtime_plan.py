@@ -31,6 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _machine import write_result  # noqa: E402
+
 import megacompile  # noqa: E402
 from megacompile.capture import training_compiler  # noqa: E402
 from megacompile.cli.plan_command.meta_model import build_model  # noqa: E402
@@ -108,7 +110,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--budget", required=True)
     p.add_argument("--hardware", required=True)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="result file (default: benchmarks/results/runtime_plan-<date>-cpu-<N>core.txt)")
     args = p.parse_args()
     config = load_model_config(args.model)
     budget = parse_bytes(args.budget)
@@ -140,11 +142,7 @@ def main() -> None:
             fits = "fits" if c.peak <= budget else "    "
             lines.append(f"  {mark} {fits} {c.peak / 2**30:8.2f} GiB {c.plan.predicted_seconds or 0:7.3f} s "
                          f"{len(c.plan.recomputed_ops):6d}  {c.plan.policy}")
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+    write_result("\n".join(lines), "runtime_plan-{date}-cpu-{cores}core.txt", args.out)
 
 
 if __name__ == "__main__":

@@ -441,8 +441,9 @@ def test_pointwise_chains_are_priced_as_the_fused_kernels_inductor_makes():
 
 
 # --- a real rewritten program ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mlp_program():
+def _mlp_step(**options):
+    """(record with a backward, model, loss_fn, batch) of one compiled step of the reference MLP
+    on the CPU stand-in, lowered eagerly."""
     from reference_models import MLP, REFERENCE_MODELS, make_training_step
 
     torch._dynamo.reset()
@@ -450,12 +451,17 @@ def mlp_program():
     model = MLP(depth=3)
     _, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
     step, _ = make_training_step(model, loss_fn)
-    step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager", **options})
     x, y = make_batch(torch.Generator().manual_seed(1))
     with recording() as compiled:  # a module fixture runs outside the per-test recording
         step(x, y)
-    record = [r for r in compiled if r.backward is not None][-1]
     torch._dynamo.reset()
+    return [r for r in compiled if r.backward is not None][-1], model, loss_fn, (x, y)
+
+
+@pytest.fixture(scope="module")
+def mlp_program():
+    record, model, loss_fn, (x, y) = _mlp_step()
     # The same computation in eager mode, counted by FlopCounterMode.
     with FlopCounterMode(display=False) as counter:
         loss_fn(model(x), y).backward()
@@ -494,19 +500,8 @@ def test_step_time_on_a_rewritten_program(mlp_program):
 
 @pytest.fixture(scope="module")
 def bf16_mlp_record():
-    from reference_models import MLP, REFERENCE_MODELS, make_training_step
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = MLP(depth=3)
-    _, make_batch, loss_fn = REFERENCE_MODELS["mlp"]
-    step, _ = make_training_step(model, loss_fn)
-    step = torch.compile(step, backend="megatrain", options={"device": "cpu", "lowering": "eager",
-                                                            "precision": "bf16"})
-    with recording() as compiled:
-        step(*make_batch(torch.Generator().manual_seed(1)))
-    torch._dynamo.reset()
-    return [r for r in compiled if r.backward is not None][-1], sum(p.numel() * 2 for p in model.parameters())
+    record, model, _, _ = _mlp_step(precision="bf16")
+    return record, sum(p.numel() * 2 for p in model.parameters())
 
 
 def test_host_casts_the_runtime_serves_cost_no_time(bf16_mlp_record):
