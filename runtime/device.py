@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 import weakref
 from typing import Callable
@@ -340,8 +341,10 @@ class CudaDevice(StreamingDevice):
             torch.cuda.current_stream(self.torch_device).wait_event(event)
         else:
             # A host tensor: the CPU is about to read it, so it waits for the device here.
+            if event.query():
+                return
             recorder = trace.active()
-            if recorder is None or event.query():
+            if recorder is None:
                 event.synchronize()
             else:
                 start = time.perf_counter_ns()
@@ -370,7 +373,7 @@ class CudaDevice(StreamingDevice):
 
     def completion(self, host):
         event = self._events.pop(host, None)  # popped here, on the thread that recorded it
-        return None if event is None else event.synchronize
+        return None if event is None else functools.partial(_wait_for, event)
 
     def synchronize(self):
         torch.cuda.synchronize(self.torch_device)
@@ -384,7 +387,17 @@ class CudaDevice(StreamingDevice):
         for t in tensors:
             event = self._last_read.get(t.untyped_storage().data_ptr())
             if event is not None:
-                event.synchronize()
+                _wait_for(event)
+
+
+def _wait_for(event: "torch.cuda.Event") -> None:
+    """Blocks until ``event`` has happened. ``query()`` first: it keeps the GIL, where
+    ``synchronize()`` gives it up and must take it back, which costs a thread up to the
+    interpreter's switch interval (5 ms) while another thread runs Python. The host optimizer's
+    worker checks a layer's copies, long landed where it is the bottleneck, dozens of times a
+    layer while the driving thread issues the next layers."""
+    if not event.query():
+        event.synchronize()
 
 
 def _host_waited_event(timing: bool) -> "torch.cuda.Event":
