@@ -12,9 +12,11 @@
 # "next" (default, at most 585 s; what the second session of 2026-11-26 left unmeasured):
 #   1. tests/test_cuda.py -k host_lead: the bound on the host's lead (option host_lead_layers, new, never run on a GPU);
 #   2. issue 17 at its target shape: megatrain alone, Llama-2-7B's 32 layers, 8 x 4096 tokens, 60 GiB, with the host's
-#      lead bounded (RSS: landing buffers of 18 layers' gradients were 7.65 GiB) and the planner's streamed mixes above
-#      recompute-all's peak (45.8 GiB planned instead of 17): step, TFLOPS, RSS, the host thread's own work apart from its
-#      waits on the GPU, and the cost model's timeline (5.17 s predicted for 3.23 s measured: why);
+#      lead bounded (RSS: landing buffers of 18 layers' gradients were 7.65 GiB), the planner's streamed mixes above
+#      recompute-all's peak (keep 11, streamed 26: 52.5 GiB planned instead of 15.3) and the corrected cost model
+#      (2.87 s predicted; the 3.23 s step of 2026-11-26 re-priced at 2.96 s): step, TFLOPS, RSS, the host thread's own
+#      work apart from its waits, and the host AdamW's in-step rate (2.87 G params/s then, 0.6x the calibrated idle
+#      rate; blocking events, query() before synchronize() and the lead bound may change it);
 #   3. the same at 8 layers, the depth of the peers' rows of 2026-11-24 (then "peers" on the same machine);
 #   4. the rest of tests/test_cuda.py in what is left.
 # "issue19": the long-context checks of 2026-11-26 (4 layers at 131,072 tokens fused and unfused, the head's forms,
