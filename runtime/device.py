@@ -393,9 +393,10 @@ class CudaDevice(StreamingDevice):
 def _wait_for(event: "torch.cuda.Event") -> None:
     """Blocks until ``event`` has happened. ``query()`` first: it keeps the GIL, where
     ``synchronize()`` gives it up and must take it back, which costs a thread up to the
-    interpreter's switch interval (5 ms) while another thread runs Python. The host optimizer's
-    worker checks a layer's copies, long landed where it is the bottleneck, dozens of times a
-    layer while the driving thread issues the next layers."""
+    interpreter's switch interval while another thread runs Python
+    (``benchmarks/gil_handback.py``). The host optimizer's worker checks a layer's copies, long
+    landed where it is the bottleneck, dozens of times a layer while the driving thread issues
+    the next layers."""
     if not event.query():
         event.synchronize()
 
