@@ -18,7 +18,8 @@
 #      work apart from its waits, and the host AdamW's in-step rate (2.87 G params/s then, 0.6x the calibrated idle
 #      rate; blocking events, query() before synchronize() and the lead bound may change it);
 #   3. the same at 8 layers, the depth of the peers' rows of 2026-11-24 (then "peers" on the same machine);
-#   4. the rest of tests/test_cuda.py in what is left.
+#   4. the rest of tests/test_cuda.py in what is left;
+#   5. megacompile calibrate (its host AdamW is megatrain's kernel now), if a minute is left.
 # "issue19": the long-context checks of 2026-11-26 (4 layers at 131,072 tokens fused and unfused, the head's forms,
 #   the flash pair and autocast tests), about 7 minutes.
 # "peers" (about 10 minutes): the other systems of benchmarks/peers.py at 8 layers, on the machine
@@ -72,6 +73,9 @@ if [ "$part" = next ]; then
         --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 110 --out-dir "$OUT" --tag megatrain-8layers
     step test_cuda_rest 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not host_lead"
+    # The host AdamW as the runtime runs it, on an idle host (calibrate measures megatrain's kernel since
+    # 2026-11-26; the profile above measured torch's): against the in-step rate the 7B run prints.
+    step calibrate 60 "$PY" -m megacompile calibrate --out "$OUT/calibrate.json"
 fi
 if [ "$part" = issue19 ]; then
     DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-585} ))
