@@ -17,9 +17,10 @@
 #      (2.87 s predicted; the 3.23 s step of 2026-11-26 re-priced at 2.96 s): step, TFLOPS, RSS, the host thread's own
 #      work apart from its waits, and the host AdamW's in-step rate (2.87 G params/s then, 0.6x the calibrated idle
 #      rate; blocking events, query() before synchronize() and the lead bound may change it);
-#   3. the same at 8 layers, the depth of the peers' rows of 2026-11-24 (then "peers" on the same machine);
-#   4. the rest of tests/test_cuda.py in what is left;
-#   5. megacompile calibrate (its host AdamW is megatrain's kernel now), if a minute is left.
+#   3. the same 7B step with host_activation_budget=0 (activations on the device: the RSS target);
+#   4. megacompile calibrate (its host AdamW is megatrain's kernel now: against the in-step rate);
+#   5. the same at 8 layers, the depth of the peers' rows of 2026-11-24 (then "peers" on the same machine);
+#   6. the rest of tests/test_cuda.py in what is left.
 # "issue19": the long-context checks of 2026-11-26 (4 layers at 131,072 tokens fused and unfused, the head's forms,
 #   the flash pair and autocast tests), about 7 minutes.
 # "peers" (about 10 minutes): the other systems of benchmarks/peers.py at 8 layers, on the machine
@@ -68,14 +69,18 @@ if [ "$part" = next ]; then
     step peers_32_layers 230 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 --batch 8 \
         --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 220 --out-dir "$OUT" --tag megatrain-32layers
+    # The same 7B step with activations kept on the device (host_activation_budget=0: recompute-all, 30.3 GiB
+    # planned, predicted 2.97 s): host RSS against issue 17's 14 B/param x N + 6 GiB = 93.9 GiB.
+    PEERS_MEGATRAIN_OPTIONS='{"host_activation_budget": 0}' \
+    step peers_32_layers_device_activations 200 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 \
+        --batch 8 --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
+        --timeout 190 --out-dir "$OUT" --tag megatrain-32layers-device-activations
+    step calibrate 60 "$PY" -m megacompile calibrate --out "$OUT/calibrate.json"
     PEERS_MEGATRAIN_TRACE="$OUT/megatrain-8layers-trace.json" \
     step peers_8_layers 120 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
         --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 110 --out-dir "$OUT" --tag megatrain-8layers
     step test_cuda_rest 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not host_lead"
-    # The host AdamW as the runtime runs it, on an idle host (calibrate measures megatrain's kernel since
-    # 2026-11-26; the profile above measured torch's): against the in-step rate the 7B run prints.
-    step calibrate 60 "$PY" -m megacompile calibrate --out "$OUT/calibrate.json"
 fi
 if [ "$part" = issue19 ]; then
     DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-585} ))

@@ -35,6 +35,11 @@ class Options:
     # buffers); past it tensors stay pageable and their copies synchronous. None: no cap.
     # Process-wide: the smallest cap any compiled step gives wins.
     pinned_host_memory: int | None = None
+    # Most bytes of activations a plan may put on the host (what the forward offloads for the
+    # backward: offloaded values, streamed layers' inputs). The planner takes the fastest plan
+    # within memory_budget that also keeps within this; 0: activations stay on the device (the
+    # host holds the training state alone). None: no cap.
+    host_activation_budget: int | None = None
     # "fp32": fp32 weights, gradients, optimizer states and compute. "bf16": compute under
     # torch.autocast(bfloat16); weights cross to the device in bf16 and gradients come back in
     # bf16, while fp32 master weights, fp32 gradients and fp32 optimizer states stay on the host.
@@ -169,6 +174,10 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         )
     if raw.get("memory_budget") is not None:
         kw["memory_budget"] = parse_bytes(raw["memory_budget"])
+    if raw.get("host_activation_budget") is not None:
+        cap = raw["host_activation_budget"]
+        none_on_host = cap == 0 and not isinstance(cap, bool)
+        kw["host_activation_budget"] = 0 if none_on_host else parse_bytes(cap, "host_activation_budget")
     if raw.get("pinned_host_memory") is not None:
         cap = raw["pinned_host_memory"]
         # 0 is a cap too: pin nothing.

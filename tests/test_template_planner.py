@@ -260,3 +260,26 @@ def test_a_failing_template_plan_warns_and_the_flat_planner_plans(monkeypatch):
     torch.testing.assert_close(loss, eager_step(*batch), rtol=1e-5, atol=0)
     plan = _plan_of_last_compile()
     assert plan.template is None and plan.peak_bytes <= budget
+
+
+def test_host_activation_budget_takes_offloading_rungs_off_the_template_ladder():
+    """The rungs' host bytes are extrapolated from the short copies like their peaks: with the
+    cap at 0 the template planner takes a rung that offloads nothing, and still plans."""
+    from megacompile.plan.flat_planner import Attempt
+
+    def planned(**options):
+        torch.manual_seed(0)
+        model = Net(6)
+        megacompile.mark_repeated_layers(model)
+        step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
+        compat.reset_dynamo()
+        torch.compile(step, backend="megatrain", options={
+            "device": "cpu", "lowering": "eager", "memory_budget": int(training_state_bytes(model) * 0.4),
+            "plan_repeats": "template", **options})(*_batch(torch.Generator().manual_seed(1)))
+        record = next(r for r in reversed(COMPILED) if r.backward is not None)
+        return record.plan, Attempt(record.plan, record.forward, record.backward, []).host_activation_bytes
+
+    default, default_host = planned()
+    capped, capped_host = planned(host_activation_budget=0)
+    assert default.template is not None and default_host > 0, default.policy
+    assert capped.template is not None and capped_host == 0, capped.policy

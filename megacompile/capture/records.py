@@ -287,4 +287,5 @@ def recording(into: list | None = None) -> Iterator[list[CompiledGraph]]:
         yield records
     finally:
         with _lock:
-            _open_recordings.remove(records)
+            # By identity: two open recordings may hold equal lists (nested ones, the same graphs).
+            del _open_recordings[next(i for i, r in enumerate(_open_recordings) if r is records)]

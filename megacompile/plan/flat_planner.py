@@ -69,6 +69,15 @@ class Attempt:
     def peak(self) -> int:
         return self.plan.peak_bytes
 
+    @property
+    def host_activation_bytes(self) -> int:
+        """Bytes of activations the forward puts on the host for the backward: its copies of the
+        values the plan offloads (not the step's outputs)."""
+        return sum(info(n).nbytes_hint for n in self.forward.graph.nodes
+                   if n.op == "call_function" and n.target is ops.offload and has_info(n)
+                   and isinstance(n.args[0], fx.Node) and has_info(n.args[0])
+                   and info(n.args[0]).decision == "offload")
+
 
 def _saved_device_bytes_by_layer(attempt: Attempt) -> dict[str, int]:
     """Device bytes the forward hands to the backward, per layer, by storage: a saved view
@@ -321,6 +330,7 @@ class PlanMaker:
     def __init__(self, build: Callable, options, profile, predict_seconds: Callable[[Attempt], float]) -> None:
         self.build, self.options, self.profile, self.predict_seconds = build, options, profile, predict_seconds
         self.budget = options.memory_budget
+        self.host_budget = options.host_activation_budget
         self.builds = 0  # plans built so far (what planning costs grows with it)
 
     def make(self, spec: PlanSpec, snapshots: bool = False) -> Attempt:
@@ -332,7 +342,11 @@ class PlanMaker:
         return self.build(plan, snapshots=True) if snapshots else self.build(plan)
 
     def fits(self, a: Attempt) -> bool:
-        return self.budget is None or a.peak <= self.budget
+        return (self.budget is None or a.peak <= self.budget) and self.fits_host(a)
+
+    def fits_host(self, a: Attempt) -> bool:
+        """Its activations on the host within ``host_activation_budget``."""
+        return self.host_budget is None or a.host_activation_bytes <= self.host_budget
 
     def deeper_prefetch(self, a: Attempt) -> Attempt | None:
         """``a`` with every streamed value whose load stalls the compute lane (by the cost
@@ -503,13 +517,16 @@ def plan_training(
     def priced_with_deeper_variants(attempts: list[Attempt]) -> list[Attempt]:
         for a in attempts:
             a.plan.predicted_seconds = predict_seconds(a)
-        deeper = [d for d in map(deeper_prefetch, _rungs_to_prefetch_deeper(_ladder(attempts), fits)) if d is not None]
+        on_host = [a for a in attempts if maker.fits_host(a)]
+        deeper = [d for d in map(deeper_prefetch, _rungs_to_prefetch_deeper(_ladder(on_host), fits)) if d is not None]
         for d in deeper:
             d.plan.predicted_seconds = predict_seconds(d)
         return attempts + deeper
 
     candidates = priced_with_deeper_variants(candidates)
-    ladder = _ladder(candidates)
+    # Plans over host_activation_budget are off the ladder, not just its rungs: a plan they
+    # dominate (faster and smaller) may be the one that fits.
+    ladder = _ladder([c for c in candidates if maker.fits_host(c)])
     # Below the floor: per-layer mixes with some layers streamed, between the streaming
     # minimum's peak and the smallest plan above (built after the ladder above is drawn, so
     # its deeper-prefetch variants are the ones it had).
@@ -517,16 +534,20 @@ def plan_training(
         below = priced_with_deeper_variants(
             _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes, link, solver))
         candidates += below
-        ladder = _extend_below(ladder, below, min(c.peak for c in upper))
+        ladder = _extend_below(ladder, [b for b in below if maker.fits_host(b)], min(c.peak for c in upper))
     fitting = [c for c in ladder if fits(c)]
     if not fitting:
-        _raise(candidates, budget, _floor(keep, layers))
+        _raise(candidates, budget, _floor(keep, layers), maker.host_budget)
     chosen = fitting[-1]
     chosen.plan.reason = (
         f"keeping every activation needs {format_bytes(keep.peak)} > budget {format_bytes(budget)}; "
         f"chose the fastest of {len(candidates)} built plans that fits (predicted "
         f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver for per-layer choices)"
     )
+    over_host = [c for c in candidates if not maker.fits_host(c)]
+    if over_host:
+        chosen.plan.reason += (f"; {len(over_host)} plan(s) left out for putting more than host_activation_budget="
+                               f"{format_bytes(maker.host_budget)} of activations on the host")
     streamed = [layer for layer, row in chosen.plan.layer_costs.items() if row.get("name") == STREAMED]
     if streamed:
         chosen.plan.reason += (f"; streamed ({STREAMED}: replayed from inputs kept on the host until their "
@@ -666,7 +687,17 @@ def _floor(keep: Attempt, layers: list[str]) -> StreamingFloor:
     return streaming_floor(keep.forward, keep.backward, layers, _saved_device_bytes_by_layer(keep))
 
 
-def _raise(attempts: list[Attempt], budget: int | None, floor: StreamingFloor) -> None:
+def _raise(attempts: list[Attempt], budget: int | None, floor: StreamingFloor, host_budget: int | None = None) -> None:
+    within_budget = [a for a in attempts if budget is None or a.peak <= budget]
+    if within_budget and host_budget is not None:
+        least = min(within_budget, key=lambda a: a.host_activation_bytes)
+        raise BudgetError(
+            f"megatrain: no plan within memory_budget={format_bytes(budget)} keeps its activations on the host within "
+            f"host_activation_budget={format_bytes(host_budget)}: the least any puts there is "
+            f"{format_bytes(least.host_activation_bytes)} ({least.host_activation_bytes} bytes, plan "
+            f"'{least.plan.policy}'). Raise host_activation_budget to at least {least.host_activation_bytes}, raise "
+            f"memory_budget, or shrink the step (smaller batch or sequence length).",
+            minimum_budget=None, limiting_layer=str(least.plan.limiting_layer), streaming_floor=floor.bytes)
     best = min(attempts, key=lambda a: a.peak).plan
     raise BudgetError(
         f"megatrain: memory_budget={format_bytes(budget)} is too small for this training step. "

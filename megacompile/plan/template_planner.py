@@ -82,6 +82,7 @@ class Priced:
     peak: float
     seconds: float
     recomputed: float
+    host_activation_bytes: float = 0.0
 
 
 def _extrapolate(values: list[float], depths: tuple, n: int) -> float:
@@ -99,6 +100,7 @@ def _price(spec: Spec, templates: list[Template], n: int) -> Priced:
         peak=_extrapolate([a.peak for a in attempts], depths, n),
         seconds=_extrapolate([a.plan.predicted_seconds for a in attempts], depths, n),
         recomputed=_extrapolate([len(a.plan.recomputed_ops) for a in attempts], depths, n),
+        host_activation_bytes=_extrapolate([a.host_activation_bytes for a in attempts], depths, n),
     )
 
 
@@ -167,7 +169,9 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: 
     template_floor = min(p.attempts[-1].peak for p in priced)
     mixes = _uniform_mixes(keep, floor, template_floor, templates[-1], profile, options, n)
     priced += [_price(spec, templates, n) for spec in mixes]
-    ladder = ladder_of(priced, lambda c: (c.peak, c.seconds, c.recomputed))
+    host_budget = options.host_activation_budget
+    on_host = [p for p in priced if host_budget is None or p.host_activation_bytes <= host_budget]
+    ladder = ladder_of(on_host, lambda c: (c.peak, c.seconds, c.recomputed))
     fitting = [p for p in ladder if p.peak <= budget]
     for rung in reversed(fitting[-MAX_FULL_BUILDS:]):
         # Built with inspect's snapshots: it is most likely the plan that runs, and capture

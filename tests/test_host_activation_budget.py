@@ -1,0 +1,114 @@
+"""Option ``host_activation_budget``: the most bytes of activations a plan may put on the host.
+
+The planner takes the fastest plan within ``memory_budget`` whose offloaded activations (its
+offloaded values, streamed layers' inputs) fit the cap; plans over it are off the ladder, so a
+plan they dominated can be chosen. Where no plan within the device budget meets the cap, the
+error says how much the least of them puts on the host, before anything runs.
+"""
+import copy
+
+import pytest
+import torch
+from reference_models import GPT, _token_batch, _xent, make_training_step, train_side_by_side
+
+from megacompile.capture import records
+from megacompile.core.errors import BudgetError, OptionsError
+from megacompile.options import parse_options
+from megacompile.plan import flat_planner
+
+OPTIONS = {"plan_repeats": "flat", "disable_passes": ["chunk_tokens"]}
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(layers=4, context=128)
+
+
+def _batches(n: int = 2):
+    gen = torch.Generator().manual_seed(1)
+    return [_token_batch(gen, batch=4, seq=128) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Every plan the planner builds for the step (a budget nothing meets)."""
+    attempts, make = [], flat_planner.PlanMaker.make
+
+    def spy(self, spec, snapshots=False):
+        attempt = make(self, spec, snapshots)
+        attempts.append(attempt)
+        return attempt
+
+    flat_planner.PlanMaker.make = spy
+    try:
+        step, _ = make_training_step(_model(), _xent)
+        compiled = torch.compile(step, backend="megatrain",
+                                 options={"device": "cpu", "lowering": "eager", "memory_budget": 1024, **OPTIONS})
+        with pytest.raises(BudgetError):
+            compiled(*_batches(1)[0])
+    finally:
+        flat_planner.PlanMaker.make = make
+        torch._dynamo.reset()
+    return attempts
+
+
+def _train(budget: int, **options):
+    model = _model()
+    with records.recording() as compiled:
+        pairs, reference = train_side_by_side(model, lambda m: make_training_step(m, _xent)[0], _batches(),
+                                              {"memory_budget": budget, **OPTIONS, **options})
+    torch._dynamo.reset()
+    (record,) = [r for r in compiled if r.backward is not None]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    return record
+
+
+def _host_bytes(record) -> int:
+    return flat_planner.Attempt(record.plan, record.forward, record.backward, []).host_activation_bytes
+
+
+def test_a_zero_cap_takes_the_fastest_plan_that_keeps_activations_on_the_device(built):
+    recompute_all = next(a for a in built if a.plan.policy == "recompute (all layers)")
+    assert recompute_all.host_activation_bytes == 0
+    # A budget where every plan faster than recompute-all offloads something.
+    on_device_above = min(a.peak for a in built if a.host_activation_bytes == 0 and a.peak > recompute_all.peak)
+    budget = max(a.peak for a in built if a.host_activation_bytes > 0 and a.peak < on_device_above)
+
+    default = _train(budget)
+    assert _host_bytes(default) > 0, default.plan.policy
+    capped = _train(budget, host_activation_budget=0)
+    assert _host_bytes(capped) == 0, capped.plan.policy
+    assert capped.plan.peak_bytes <= budget
+    assert capped.plan.predicted_seconds > default.plan.predicted_seconds  # what the cap costs, predicted
+    assert "host_activation_budget" in capped.plan.reason, capped.plan.reason
+
+
+def test_no_plan_within_both_budgets_is_a_clear_error_before_anything_runs(built):
+    recompute_all = next(a for a in built if a.plan.policy == "recompute (all layers)")
+    budget = recompute_all.peak - 1  # only plans with layer inputs on the host fit the device
+    least = min(a.host_activation_bytes for a in built if a.peak <= budget)
+    assert least > 0
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    step, _ = make_training_step(model, _xent)
+    compiled = torch.compile(step, backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "memory_budget": budget, "host_activation_budget": least - 1,
+        **OPTIONS})
+    with pytest.raises(BudgetError, match="host_activation_budget") as raised:
+        compiled(*_batches(1)[0])
+    torch._dynamo.reset()
+    assert str(least) in str(raised.value)  # the cap that would do
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_option_parsing():
+    assert parse_options({"device": "cpu", "host_activation_budget": "2GiB"}).host_activation_budget == 2 << 30
+    assert parse_options({"device": "cpu", "host_activation_budget": 0}).host_activation_budget == 0
+    assert parse_options({"device": "cpu"}).host_activation_budget is None
+    for bad in (-1, True, "lots"):
+        with pytest.raises(OptionsError, match="host_activation_budget"):
+            parse_options({"device": "cpu", "host_activation_budget": bad})
