@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shlex
 import sys
 
 import torch
@@ -78,7 +79,7 @@ def main() -> None:
     lines = [
         f"# benchmarks/reprice_measured.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{cpu_model()}, torch {torch.__version__} (priced here; nothing ran)",
-        "# command: python " + " ".join(sys.argv),
+        "# command: python " + shlex.join(sys.argv),
         f"run: {args.peers_json} ({run['date']}, {run['gpu']}, torch {run['torch']}): {run['model']}; "
         f"{workload['batch']} x {workload['seq']} tokens; measured step {measured:.3f} s",
         f"plan rebuilt: {record.plan.policy} (the run's: {row['notes'].split('plan: ', 1)[1]}); rebuilt in {seconds:.0f} s",

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import shlex
 import sys
 import time
 
@@ -41,6 +43,7 @@ from megacompile.core import torch_compat as compat  # noqa: E402
 from megacompile.core.units import format_bytes, parse_bytes  # noqa: E402
 from megacompile.plan import flat_planner  # noqa: E402
 from megacompile.plan.cost_model import predict_record  # noqa: E402
+from megacompile.plan.flat_planner import Attempt  # noqa: E402
 from megacompile.plan.hardware import get_profile  # noqa: E402
 
 
@@ -110,12 +113,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--budget", required=True)
     p.add_argument("--hardware", required=True)
+    p.add_argument("--options", default="{}", help="more megatrain options, as JSON (e.g. '{\"host_activation_budget\": 0}')")
     p.add_argument("--out", default=None, help="result file (default: benchmarks/results/runtime_plan-<date>-cpu-<N>core.txt)")
     args = p.parse_args()
     config = load_model_config(args.model)
     budget = parse_bytes(args.budget)
     record, ladders, seconds, model = plan(config, seq_len=args.seq_len, batch=args.batch, budget=budget,
-                                    hardware=args.hardware, options={})
+                                    hardware=args.hardware, options=json.loads(args.options))
     profile = get_profile(args.hardware)
     tokens = args.seq_len * args.batch
     predicted = predict_record(record, profile, tokens=tokens)
@@ -126,10 +130,11 @@ def main() -> None:
     optimizer_end = max((e.end_s for e in predicted.events if e.lane == "host_optimizer"), default=0.0)
     lines = [f"# benchmarks/runtime_plan.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
              f"torch {torch.__version__} (planned on unwritten host parameters; nothing ran)",
-             "# command: python " + " ".join(sys.argv),
+             "# command: python " + shlex.join(sys.argv),
              f"model {args.model}: {config['num_hidden_layers']} layers; {args.batch} x {args.seq_len} tokens; bf16; "
              f"budget {format_bytes(budget)}; profile {profile.name}; planned in {seconds:.0f} s",
-             f"chosen: {record.plan.policy}; planned peak {format_bytes(record.plan.peak_bytes)}",
+             f"chosen: {record.plan.policy}; planned peak {format_bytes(record.plan.peak_bytes)}; activations on the "
+             f"host {format_bytes(Attempt(record.plan, record.forward, record.backward, []).host_activation_bytes)}",
              f"predicted step {predicted.total_s:.3f} s (compute {predicted.compute_s:.3f}, h2d {predicted.h2d_s:.3f}, "
              f"d2h {predicted.d2h_s:.3f}, host optimizer {predicted.host_optimizer_s:.3f}, stalls "
              f"{predicted.exposed_wait_s:.3f}, host ops {host_s:.3f}); forward {predicted.forward.total_s:.3f}, "
