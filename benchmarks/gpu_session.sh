@@ -69,8 +69,8 @@ if [ "$part" = next ]; then
     step peers_32_layers 230 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 --batch 8 \
         --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 220 --out-dir "$OUT" --tag megatrain-32layers
-    # The same 7B step with activations kept on the device (host_activation_budget=0: recompute-all, 30.3 GiB
-    # planned, predicted 2.97 s): host RSS against issue 17's 14 B/param x N + 6 GiB = 93.9 GiB.
+    # The same 7B step with activations kept on the device (host_activation_budget=0: keep 8, recompute 29, 52.4 GiB
+    # planned, predicted 2.91 s): host RSS against issue 17's 14 B/param x N + 6 GiB = 93.9 GiB.
     PEERS_MEGATRAIN_OPTIONS='{"host_activation_budget": 0}' \
     step peers_32_layers_device_activations 200 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 4096 \
         --batch 8 --steps 4 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \

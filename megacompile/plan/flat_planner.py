@@ -501,6 +501,9 @@ def plan_training(
             # recomputed (recompute-all and the next mix up can be far apart at 7B: 42 and 148 GiB).
             candidates += _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes,
                                           link, solver, above_floor=True)
+            if maker.host_budget is not None:  # where the streamed ones may not fit the host: none streamed
+                candidates += _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes,
+                                              link, solver, above_floor=True, streamed=False)
         else:
             streaming = None
 
@@ -565,7 +568,7 @@ _ABOVE_FLOOR_TARGETS = (0.5, 0.75, 0.875, 0.9375, 0.96875)
 
 def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, fwd_seconds: dict,
                     keep_bytes: dict, boundary_bytes: dict, link: float, solver: Callable,
-                    above_floor: bool = False) -> list[Attempt]:
+                    above_floor: bool = False, streamed: bool = True) -> list[Attempt]:
     """Per-layer plans with a third option per layer beside keep and recompute, ``STREAMED``
     (recompute, layer input offloaded), for memory targets below the floor.
 
@@ -578,7 +581,9 @@ def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, f
     after it, which is where these peaks are.) Targets: from what recompute-all frees toward
     what streaming every layer frees; only picks with some layer streamed are built.
     ``above_floor``: targets short of what recompute-all frees (``_ABOVE_FLOOR_TARGETS``), for
-    budgets between its peak and the next plan up."""
+    budgets between its peak and the next plan up. ``streamed=False`` (above the floor only):
+    keep or recompute, no layer streamed, for a host that may not hold their inputs
+    (``host_activation_budget``); only picks that keep some layer are built."""
     inputs = layer_inputs(recompute_all, layers)
     input_bytes = layer_input_bytes(recompute_all, inputs)
     items = []
@@ -590,15 +595,16 @@ def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, f
         # rather than recompute it where it needs the bytes: more layers are kept in the budget.
         copies = 0.0 if above_floor else input_bytes.get(layer, 0) * link
         items.append([Option("keep", 0, 0.0), Option("recompute", max(0, k - boundary_bytes.get(layer, 0)), fwd),
-                      Option(STREAMED, k, fwd + copies)])
+                      Option(STREAMED, k, fwd + copies)][:3 if streamed else 2])
     at_recompute = sum(opts[1].memory_saved for opts in items)
-    most = sum(opts[2].memory_saved for opts in items)
+    most = sum(opts[-1].memory_saved for opts in items)
+    wanted = STREAMED if streamed else "keep"  # what a pick must have to be a new plan
     out, seen = [], set()
     targets = ([int(fraction * at_recompute) + 1 for fraction in _ABOVE_FLOOR_TARGETS] if above_floor else
                [int(at_recompute + fraction * (most - at_recompute)) + 1 for fraction in _STREAMED_TARGETS])
     for target in targets:
         picks = solver(items, min(most, target))
-        if picks is None or not any(items[i][j].name == STREAMED for i, j in enumerate(picks)):
+        if picks is None or not any(items[i][j].name == wanted for i, j in enumerate(picks)):
             continue
         per_layer = {layer: items[i][j].name for i, (layer, j) in enumerate(zip(layers, picks))}
         if tuple(sorted(per_layer.items())) in seen:
