@@ -9,7 +9,8 @@ import copy
 
 import pytest
 import torch
-from reference_models import GPT, _token_batch, _xent, make_training_step, train_side_by_side
+from reference_models import _xent, make_training_step, train_side_by_side
+from test_streamed_mixes import _batches, _model  # the same small GPT and batches
 
 from megacompile.capture import records
 from megacompile.core.errors import BudgetError, OptionsError
@@ -17,16 +18,6 @@ from megacompile.options import parse_options
 from megacompile.plan import flat_planner
 
 OPTIONS = {"plan_repeats": "flat", "disable_passes": ["chunk_tokens"]}
-
-
-def _model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(layers=4, context=128)
-
-
-def _batches(n: int = 2):
-    gen = torch.Generator().manual_seed(1)
-    return [_token_batch(gen, batch=4, seq=128) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
