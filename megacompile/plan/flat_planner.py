@@ -534,8 +534,13 @@ def plan_training(
     # minimum's peak and the smallest plan above (built after the ladder above is drawn, so
     # its deeper-prefetch variants are the ones it had).
     if streaming is not None:
-        below = priced_with_deeper_variants(
-            _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes, link, solver))
+        below = _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes, link, solver)
+        if maker.host_budget is not None:
+            # The mixes above stream as many layers as their targets want; these stream only as
+            # many as the host has room for, the longest-context steps' way to fit both budgets.
+            below += _streamed_mixes(make, layers, recompute_all, fwd_seconds, keep_bytes, boundary_bytes, link,
+                                     solver, host_budget=maker.host_budget)
+        below = priced_with_deeper_variants(below)
         candidates += below
         ladder = _extend_below(ladder, [b for b in below if maker.fits_host(b)], min(c.peak for c in upper))
     fitting = [c for c in ladder if fits(c)]
@@ -568,7 +573,8 @@ _ABOVE_FLOOR_TARGETS = (0.5, 0.75, 0.875, 0.9375, 0.96875)
 
 def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, fwd_seconds: dict,
                     keep_bytes: dict, boundary_bytes: dict, link: float, solver: Callable,
-                    above_floor: bool = False, streamed: bool = True) -> list[Attempt]:
+                    above_floor: bool = False, streamed: bool = True,
+                    host_budget: int | None = None) -> list[Attempt]:
     """Per-layer plans with a third option per layer beside keep and recompute, ``STREAMED``
     (recompute, layer input offloaded), for memory targets below the floor.
 
@@ -583,9 +589,15 @@ def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, f
     ``above_floor``: targets short of what recompute-all frees (``_ABOVE_FLOOR_TARGETS``), for
     budgets between its peak and the next plan up. ``streamed=False`` (above the floor only):
     keep or recompute, no layer streamed, for a host that may not hold their inputs
-    (``host_activation_budget``); only picks that keep some layer are built."""
+    (``host_activation_budget``); only picks that keep some layer are built. ``host_budget``
+    (below the floor): only the first layers whose inputs fit it together may be streamed."""
     inputs = layer_inputs(recompute_all, layers)
     input_bytes = layer_input_bytes(recompute_all, inputs)
+    may_stream, on_host = set(), 0
+    for layer in layers:
+        if streamed and (host_budget is None or on_host + input_bytes.get(layer, 0) <= host_budget):
+            may_stream.add(layer)
+            on_host += input_bytes.get(layer, 0)
     items = []
     for layer in layers:
         k = max(0, keep_bytes.get(layer, 0))
@@ -595,7 +607,7 @@ def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, f
         # rather than recompute it where it needs the bytes: more layers are kept in the budget.
         copies = 0.0 if above_floor else input_bytes.get(layer, 0) * link
         items.append([Option("keep", 0, 0.0), Option("recompute", max(0, k - boundary_bytes.get(layer, 0)), fwd),
-                      Option(STREAMED, k, fwd + copies)][:3 if streamed else 2])
+                      Option(STREAMED, k, fwd + copies)][:3 if layer in may_stream else 2])
     at_recompute = sum(opts[1].memory_saved for opts in items)
     most = sum(opts[-1].memory_saved for opts in items)
     wanted = STREAMED if streamed else "keep"  # what a pick must have to be a new plan

@@ -19,6 +19,7 @@ from megacompile.cli.plan_command import (
     PlanError,
 )
 from megacompile.core import ops
+from megacompile.core.host_ops import is_host_op
 from megacompile.core.node_info import has_info, info, layer_of_module_path
 from megacompile.plan import cost_model
 from megacompile.plan import memory_estimate as plan_mod
@@ -94,8 +95,9 @@ def _layer_of(node) -> str | None:
 
 
 def _is_compute(node) -> bool:
-
-    return node.op == "call_function" and has_info(node) and info(node).role == "compute"
+    """A device compute op. Host ops are not: under bf16 the weights' host casts run ahead of
+    the loads, so a layer's first cast is no mark of where its compute starts."""
+    return node.op == "call_function" and has_info(node) and info(node).role == "compute" and not is_host_op(node)
 
 
 def _regions(gm, decoder: list[str]) -> dict[str, tuple[int, int]]:
@@ -269,7 +271,8 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
     for name, p in raw["model"].named_parameters():
         layer = layer_of_module_path(name.rsplit(".", 1)[0]) if "." in name else None
         key = layer or "(glue)"
-        param_bytes_by_layer[key] = param_bytes_by_layer.get(key, 0) + p.numel() * p.element_size()
+        # What the device holds of it (bf16 traces fp32 host masters; their loads carry bf16 copies).
+        param_bytes_by_layer[key] = param_bytes_by_layer.get(key, 0) + p.numel() * DEVICE_PARAM_BYTES[precision]
 
     checks: dict = {"param_bytes": [param_bytes_by_layer.get(layer, 0) for layer in decoder]}
     policies: dict = {}
@@ -282,8 +285,9 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
 
     for policy in [p for p in (*POLICIES, RESIDENT) if p in attempts]:
         a = attempts[policy]
+        # Overlapped where the runtime overlaps it (a GPU): the host casts it serves cost nothing.
         pred = cost_model.step_time(a.forward, a.backward, profile, optimizer_param_bytes=opt_bytes,
-                                    precision=precision)
+                                    precision=precision, overlap_optimizer=not synchronous)
         fw_curve, bw_curve = _curves(a)
         fw_regions, bw_regions = _regions(a.forward, decoder), _regions(a.backward, decoder)
         layer_by_name = {n.name: _layer_of(n) for g in (a.forward, a.backward) for n in g.graph.nodes}
@@ -360,7 +364,7 @@ def _digest(raw: dict, profile: HardwareProfile, *, k: int, batch: int, seq_len:
                                          "backward_d2h_bytes")},
         }
         total = {
-            "device_s": pred.total_s - pred.host_optimizer_s,
+            "device_s": pred.forward.total_s + (pred.backward.total_s if pred.backward is not None else 0.0),
             "backward_s": pred.backward.total_s if pred.backward is not None else 0.0,
             "lanes_s": {"compute": pred.compute_s, "h2d": pred.h2d_s, "d2h": pred.d2h_s},
             "flops": pred.flops, "model_flops": pred.model_flops,

@@ -19,8 +19,12 @@ HOST_BYTES_PER_PARAM = {
 OVERLAPPED_HOST_BYTES_PER_PARAM = {"fp32": 12, "bf16": 14}
 
 
-def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int = 0) -> dict:
+def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int = 0, *,
+               overlapped: bool = False) -> dict:
     """Host memory of the training state, split into what the runtime pins and what it does not.
+
+    ``overlapped``: the optimizer step overlaps the backward (the runtime's default on a GPU), so
+    no gradient buffer is kept (``OVERLAPPED_HOST_BYTES_PER_PARAM``).
 
     Pinned: the weights the device streams in and the gradient buffers it streams back into
     (and the host copies of offloaded activations). Pageable: what no copy engine reads
@@ -28,7 +32,9 @@ def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int 
     the bf16 weight copies and transient bf16 gradients). See
     ``HOST_BYTES_PER_PARAM`` for the bytes per parameter.
     """
-    parts = {name: (num_params * nbytes, kind) for name, (nbytes, kind) in HOST_BYTES_PER_PARAM[precision].items()}
+    layout = {name: part for name, part in HOST_BYTES_PER_PARAM[precision].items()
+              if not (overlapped and name == "gradients")}
+    parts = {name: (num_params * nbytes, kind) for name, (nbytes, kind) in layout.items()}
     if offloaded_activation_bytes:
         parts["offloaded_activations"] = (int(offloaded_activation_bytes), "pinned")
     pinned = sum(n for n, kind in parts.values() if kind == "pinned")
@@ -36,6 +42,7 @@ def host_bytes(num_params: int, precision: str, offloaded_activation_bytes: int 
     return {
         "parts": {name: n for name, (n, _) in parts.items()},
         "pinned_bytes": pinned, "pageable_bytes": pageable, "total_bytes": pinned + pageable,
-        "bytes_per_param": sum(nbytes for nbytes, _ in HOST_BYTES_PER_PARAM[precision].values()),
+        "bytes_per_param": sum(nbytes for nbytes, _ in layout.values()),
+        "overlapped": overlapped,
         "overlapped_bytes_per_param": OVERLAPPED_HOST_BYTES_PER_PARAM[precision],
     }

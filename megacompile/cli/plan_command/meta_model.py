@@ -66,7 +66,8 @@ def host_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def build_model(config: dict, num_layers: int, precision: str = "fp32", device: str = "meta"):
-    """The Hugging Face causal LM of ``config`` with ``num_layers`` decoder layers (on meta: no memory)."""
+    """The Hugging Face causal LM of ``config`` with ``num_layers`` decoder layers (on meta: no memory),
+    its weights in ``precision``'s dtype. ``traced_model`` builds what megatrain trains instead."""
     from transformers import AutoModelForCausalLM  # lazy: optional dependency
 
     _register_attention()
@@ -80,6 +81,20 @@ def build_model(config: dict, num_layers: int, precision: str = "fp32", device: 
                                                  dtype=_DTYPES[precision])
     model.train()
     return model
+
+
+def traced_model(config: dict, num_layers: int, precision: str):
+    """The model ``megacompile plan`` traces for ``precision``, and the device of its inputs.
+
+    fp32: on the meta device (nothing allocated). bf16 is fp32 master weights under autocast,
+    as megatrain trains it, and autocast casts only tensors of a real device: on meta, the
+    program would be an fp32 one, and a model built in bf16 is another program (no casts, bf16
+    norms and loss inputs). So bf16 traces fp32 weights on the host, allocated but never written
+    (``to_empty``: a 7B model's two traced layers cost page tables, not gigabytes).
+    """
+    if precision == "bf16":
+        return build_model(config, num_layers, "fp32").to_empty(device="cpu"), "cpu"
+    return build_model(config, num_layers, precision), "meta"
 
 
 def make_step(model) -> Callable:

@@ -24,7 +24,7 @@ from megacompile.cli.plan_command.text_report import format_text
 from megacompile.cli.plan_command.traced_layers import trace_model
 from megacompile.cli.presets import count_parameters
 from megacompile.core.units import format_bytes
-from megacompile.plan.cost_model import device_flops, roofline_floor
+from megacompile.plan.cost_model import device_flops, is_cpu_standin, roofline_floor
 from megacompile.plan.hardware import HardwareProfile
 
 
@@ -104,6 +104,20 @@ def _where(at: tuple) -> str:
     return f"{phase} of {layer or 'the loss'} (node {node})"
 
 
+def _layout_text(precision: str, overlapped: bool, activations: bool) -> str:
+    gradients = "" if overlapped else " + fp32 gradients (4 B)"
+    text = {
+        "fp32": f"pinned: fp32 weights (4 B){gradients}; pageable: AdamW exp_avg + exp_avg_sq (8 B)",
+        "bf16": f"pageable: fp32 master weights (4 B){gradients} + AdamW exp_avg + exp_avg_sq (8 B); pinned: the bf16 "
+                "weight copies the loads carry (2 B), rewritten by the update",
+    }[precision] + ("; plus offloaded activations (pinned)" if activations else "")
+    if overlapped:
+        return text + ("; no gradient buffer: on a GPU the optimizer step overlaps the backward (each gradient "
+                       "consumed as it lands)")
+    return text + (f"; {OVERLAPPED_HOST_BYTES_PER_PARAM[precision]} B/param when the optimizer step overlaps the "
+                   "backward (gradients consumed as they land; the runtime's default on a GPU)")
+
+
 def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: int, precision: str = "fp32",
                budget: int | None = None, host_memory: int | None = None, k: int = DEFAULT_TRACED_LAYERS,
                max_seq_len: bool = False, search: bool = True, seq_multiple: int = 128, max_probes: int = 5,
@@ -130,7 +144,10 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
     budget = int(budget if budget is not None else profile.hbm_bytes)
     host_memory = host_memory if host_memory is not None else profile.host_memory_bytes
     num_params = count_parameters(config)
-    static_host = host_bytes(num_params, precision)
+    # On a GPU the runtime overlaps the optimizer step with the backward (option overlap_optimizer,
+    # "auto"), so the host keeps no gradient buffer; on the CPU stand-in it does.
+    overlapped = not is_cpu_standin(profile)
+    static_host = host_bytes(num_params, precision, overlapped=overlapped)
     host_free = None if host_memory is None else max(0, host_memory - static_host["total_bytes"])
 
     traces: dict = {}  # (batch, seq_len) -> Trace
@@ -168,7 +185,7 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
     chosen, smallest, keep = choose_plan(trace, num_layers, budget=budget, host_free=host_free)
     shown = chosen or smallest or keep
     device_fits = chosen is not None
-    host = host_bytes(num_params, precision, shown.offloaded_activation_bytes)
+    host = host_bytes(num_params, precision, shown.offloaded_activation_bytes, overlapped=overlapped)
     host_fits = host_memory is None or host["total_bytes"] <= host_memory
     pol = trace.policies
 
@@ -324,14 +341,9 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
                                     if plan.counts.get(p)},
                 "layers": {p: plan.counts[p] for p in ("offload", STREAMED) if plan.counts.get(p)},
             },
+            "overlapped": overlapped,
             "overlapped_bytes_per_param": host["overlapped_bytes_per_param"],
-            "layout": {
-                "fp32": "pinned: fp32 weights (4 B) + fp32 gradients (4 B); pageable: AdamW exp_avg + exp_avg_sq (8 B)",
-                "bf16": "pageable: fp32 master weights (4 B) + fp32 gradients (4 B) + AdamW exp_avg + exp_avg_sq "
-                        "(8 B); pinned: the bf16 weight copies the loads carry (2 B), rewritten by the update",
-            }[precision] + ("; plus offloaded activations (pinned)" if plan.offloaded_activation_bytes else "")
-              + f"; {OVERLAPPED_HOST_BYTES_PER_PARAM[precision]} B/param when the optimizer step overlaps the backward "
-                "(gradients consumed as they land)",
+            "layout": _layout_text(precision, overlapped, bool(plan.offloaded_activation_bytes)),
         },
         transfers={
             "h2d_bytes": plan.h2d_bytes, "d2h_bytes": plan.d2h_bytes,
@@ -357,7 +369,8 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
         suggestions=suggestions,
         max_seq_len=max_seq,
         method={
-            "traced_layers": trace.k, "device": "meta", "policies_built": list(trace.policies),
+            "traced_layers": trace.k, "device": "cpu" if precision == "bf16" else "meta",
+            "policies_built": list(trace.policies),
             "repeat_check": {"identical": True, "quantities": sorted(trace.layer_checks)},
             "probes": [{"batch": b, "seq_len": s} for (b, s) in list(traces) + list(search_traces)],
             "seconds": timings,

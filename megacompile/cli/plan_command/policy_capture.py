@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from megacompile.cli.plan_command import BASIC_POLICIES, DECODER_LAYER, PAIRS, RESIDENT, STREAMED
-from megacompile.cli.plan_command.meta_model import _meta_placement, build_model, make_step
+from megacompile.cli.plan_command.meta_model import _meta_placement, make_step, traced_model
 from megacompile.core import torch_compat as compat
 from megacompile.passes import facts_after
 from megacompile.plan import flat_planner as planner
@@ -96,24 +96,28 @@ def _capture_policies(out: dict, extra_plans: dict | None = None, pairs: bool = 
 
 def trace_policies(config: dict, *, num_layers: int, batch: int, seq_len: int, precision: str = "fp32",
                    extra_plans: dict | None = None, keep_suffices: Callable | None = None,
-                   token_chunks: int | None = None) -> dict:
-    """Compile a training step of ``num_layers`` layers on meta tensors with megatrain, up to the plans.
+                   token_chunks: int | None = None, autocast_lists: str = "cuda") -> dict:
+    """Compile a training step of ``num_layers`` layers with megatrain, up to the plans: on meta
+    tensors, or for bf16 on unwritten host weights under autocast (``meta_model.traced_model``).
 
     ``token_chunks``: the per-token runs of each layer in that many chunks (passes/chunk_tokens.py).
+    ``autocast_lists``: whose autocast op lists a bf16 trace follows (the device the plan is for).
     Returns ``{"attempts": {policy: planner.Attempt}, "layers": [...], "model": model,
     "trace_s": seconds, "build_s": seconds}``.
     """
     t0 = time.perf_counter()
-    model = build_model(config, num_layers, precision)
+    model, input_device = traced_model(config, num_layers, precision)
     step = make_step(model)
     # One compile per probe: the step's code object is the same each time, so without a reset
     # Dynamo would count the probes as recompiles of one frame.
     _reset_dynamo()
     options = {"device": "cpu", "lowering": "eager"}
+    if precision == "bf16":
+        options.update(precision="bf16", autocast_lists=autocast_lists)
     if token_chunks is not None:
         options["token_chunks"] = token_chunks
     compiled = torch.compile(step, backend="megatrain", options=options)
-    ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    ids = torch.zeros(batch, seq_len, dtype=torch.long, device=input_device)
     out: dict = {}
     with _meta_placement(), _capture_policies(out, extra_plans=extra_plans, keep_suffices=keep_suffices):
         try:

@@ -27,7 +27,10 @@ def format_text(r: dict) -> str:
         f"= {st['tokens']:,} tokens/step, {st['precision']}",
         f"  model            {m['model_type']}, {m['parameters'] / 1e9:.2f} B parameters, {m['layers']} decoder layers "
         f"(hidden {m['hidden_size']}, MLP {m['intermediate_size']}, vocab {m['vocab_size']})",
-        f"  method           traced {ext['traced_layers']} layers on the meta device with the megatrain backend "
+        f"  method           traced {ext['traced_layers']} layers "
+        + ("on unwritten host weights (fp32 under autocast)" if r["method"]["device"] == "cpu"
+           else "on the meta device")
+        + " with the megatrain backend "
         f"({len(r['method']['probes'])} plan(s), {r['method']['seconds']['total_s']:.1f} s); layers identical, "
         f"extrapolated to {m['layers']}",
         "",
@@ -53,8 +56,9 @@ def format_text(r: dict) -> str:
         f"host memory        {ok(host['fits'])}",
         f"  total            {gib(host['total_bytes'])} of "
         f"{gib(host['capacity_bytes']) if host['capacity_bytes'] else 'unknown (not checked)'}"
-        f" ({host['bytes_per_param']} B/param; {host['overlapped_bytes_per_param']} B/param when the optimizer step "
-        f"overlaps the backward)",
+        + (f" ({host['bytes_per_param']} B/param: the optimizer step overlaps the backward)" if host.get("overlapped")
+           else f" ({host['bytes_per_param']} B/param; {host['overlapped_bytes_per_param']} B/param when the "
+                "optimizer step overlaps the backward)"),
         f"  pinned           {gib(host['pinned_bytes'])}",
         f"  pageable         {gib(host['pageable_bytes'])}",
         "  parts            " + ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in host["parts_bytes"].items()),

@@ -10,6 +10,7 @@ from megacompile.cli.plan_command.digest import Trace, _digest, _uniform_peak_at
 from megacompile.cli.plan_command.full_depth import evaluate
 from megacompile.cli.plan_command.policy_capture import trace_policies
 from megacompile.cli.presets import count_parameters
+from megacompile.plan.cost_model import is_cpu_standin
 from megacompile.plan.hardware import HardwareProfile
 
 _TRACE_CACHE: "collections.OrderedDict[tuple, Trace]" = collections.OrderedDict()
@@ -19,7 +20,7 @@ _TRACE_CACHE_SIZE = 16
 def trace_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: int, precision: str = "fp32",
                 k: int = DEFAULT_TRACED_LAYERS, skip_if_keep_fits: int | None = None,
                 token_chunks: int | None = None) -> Trace:
-    """Trace k layers on the meta device and digest the policies' programs.
+    """Trace k layers (on the meta device; bf16 on unwritten host weights) and digest the policies' programs.
 
     ``skip_if_keep_fits``: a device budget; if keeping every activation of all the model's
     layers fits it, only the keep plan is built (``Trace.complete`` is then False).
@@ -53,7 +54,8 @@ def _trace_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len:
         keep_suffices = lambda attempts, layers: (  # noqa: E731
             _uniform_peak_at_depth(attempts["keep"], layers, num_layers) <= skip_if_keep_fits)
     raw = trace_policies(config, num_layers=k, batch=batch, seq_len=seq_len, precision=precision,
-                         keep_suffices=keep_suffices, token_chunks=token_chunks)
+                         keep_suffices=keep_suffices, token_chunks=token_chunks,
+                         autocast_lists="cpu" if is_cpu_standin(profile) else "cuda")
     trace = _digest(raw, profile, k=k, batch=batch, seq_len=seq_len, precision=precision,
                     num_params_full=count_parameters(config))
     differ = check_repeat(trace)
