@@ -134,7 +134,9 @@ def main() -> None:
              f"model {args.model}: {config['num_hidden_layers']} layers; {args.batch} x {args.seq_len} tokens; bf16; "
              f"budget {format_bytes(budget)}; profile {profile.name}; planned in {seconds:.0f} s",
              f"chosen: {record.plan.policy}; planned peak {format_bytes(record.plan.peak_bytes)}; activations on the "
-             f"host {format_bytes(Attempt(record.plan, record.forward, record.backward, []).host_activation_bytes)}",
+             f"host {format_bytes(Attempt(record.plan, record.forward, record.backward, []).host_activation_bytes)}; "
+             + ("each layer's per-token runs chunked (token_chunks: no plan fits with the layers whole)" if any(
+                 n.name.startswith("token_chunked") for n in record.forward.graph.nodes) else "layers whole"),
              f"predicted step {predicted.total_s:.3f} s (compute {predicted.compute_s:.3f}, h2d {predicted.h2d_s:.3f}, "
              f"d2h {predicted.d2h_s:.3f}, host optimizer {predicted.host_optimizer_s:.3f}, stalls "
              f"{predicted.exposed_wait_s:.3f}, host ops {host_s:.3f}); forward {predicted.forward.total_s:.3f}, "

@@ -95,6 +95,10 @@ def run(gm: fx.GraphModule, ctx) -> None:
         if src.op == "placeholder" and info(src).placement == "host" and _shrinks(node):
             _mark_host(node, f"cast on the host: the load carries {node.meta['val'].element_size()} bytes per "
                              f"element, not {src.meta['val'].element_size()}")
+            if info(node).layer is None:
+                # Its load belongs to the input's layer (a parameter's): a cast traced outside
+                # any module (the weights of a token-chunked run) would leave it untagged.
+                info(node).layer = info(src).layer
     if ctx.stage != "joint" and "outputs_offloaded" in ctx.coming_facts:
         output = next(iter(gm.graph.find_nodes(op="output")))
         saved = set(list(output.args[0])[ctx.num_user_outputs:]) if ctx.stage == "forward" else set()

@@ -22,7 +22,7 @@ from reference_models import train_side_by_side
 from test_bf16 import STOCK_LOSS_RTOL
 
 import megacompile
-from megacompile.core import token_chunks
+from megacompile.core import ops, token_chunks
 from megacompile.core.errors import BudgetError, OptionsError
 from megacompile.core.node_info import info
 from megacompile.options import parse_options
@@ -161,6 +161,16 @@ def test_bf16_losses_within_the_stock_tolerance(name):
     for got, want in pairs:
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=STOCK_LOSS_RTOL, atol=0)
+    # Every weight's load belongs to its parameter's layer, the bf16 copies of a chunked run's
+    # weights too (their casts are traced outside any module): the layer is what prefetch, the
+    # merged runs and the plan command's per-layer numbers go by.
+    record = next(r for r in COMPILED if r.backward is not None)
+    loads = [n for g in (record.forward, record.backward) for n in g.graph.nodes if n.target is ops.load]
+    weights = [(n, n.args[0] if n.args[0].op == "placeholder" else n.args[0].args[0]) for n in loads]
+    weights = [(n, p) for n, p in weights if p.op == "placeholder" and info(p).role == "param"]
+    assert any(p is not n.args[0] for n, p in weights)  # bf16 copies among them
+    assert all(info(n).layer == info(p).layer for n, p in weights), [
+        (n.name, info(n).layer, info(p).layer) for n, p in weights if info(n).layer != info(p).layer]
 
 
 def _wide(seq=128):

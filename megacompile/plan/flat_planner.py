@@ -542,7 +542,10 @@ def plan_training(
                                      solver, host_budget=maker.host_budget)
         below = priced_with_deeper_variants(below)
         candidates += below
-        ladder = _extend_below(ladder, [b for b in below if maker.fits_host(b)], min(c.peak for c in upper))
+        # Under the smallest plan without streamed layers that the ladder could take: one over
+        # host_activation_budget (offload-all, say) is no floor for the plans that fit the host.
+        upper_floor = min((c.peak for c in upper if maker.fits_host(c)), default=float("inf"))
+        ladder = _extend_below(ladder, [b for b in below if maker.fits_host(b)], upper_floor)
     fitting = [c for c in ladder if fits(c)]
     if not fitting:
         _raise(candidates, budget, _floor(keep, layers), maker.host_budget)
