@@ -3,7 +3,7 @@
 # a session, machine start included, and a command at most 10 minutes). Run from the repository
 # root on the GPU machine, in a device call with timeout_s 600:
 #
-#   bash benchmarks/gpu_session.sh [next|issue19|peers]
+#   bash benchmarks/gpu_session.sh [next|issue19|max_tokens|peers]
 #
 # Carry .whl/ with transformers 5.24 (the tests' pin; the machine has 5.17), and for "peers" DeepSpeed
 # and its needs: `bash benchmarks/prepare_device.sh [--peers]` fills it, here; this script installs
@@ -23,6 +23,11 @@
 #   6. the rest of tests/test_cuda.py in what is left.
 # "issue19": the long-context checks of 2026-11-26 (4 layers at 131,072 tokens fused and unfused, the head's forms,
 #   the flash pair and autocast tests), about 7 minutes.
+# "max_tokens" (about 6 minutes): issue 17's "largest tokens per step that fits", planned on the CPU and not yet run:
+#   Llama-2-7B at 8 x 13,440 = 107,520 tokens, 60 GiB, activations on the host capped at 32 GiB (the host's 126 GiB
+#   less the 88 GiB of state and 6 GiB for the process): the runtime planner's plan (token-chunked layers, keep 3,
+#   recompute 20, streamed 14: 59.26 GiB, 29.69 GiB on the host, predicted 9.52 s;
+#   benchmarks/results/runtime_plan-2026-11-26-*-llama2-7b-max-tokens-reconciled.txt).
 # "peers" (about 10 minutes): the other systems of benchmarks/peers.py at 8 layers, on the machine
 #   that ran "next" (merge the two files with peers.py --merge-into). It needs
 #   the peers' code carried beside the checkout (not in the repo): DeepSpeed and its needs as
@@ -94,13 +99,20 @@ if [ "$part" = issue19 ]; then
         --vocab 32000 --chunk 4096 --out "$OUT/fused_head_forms.txt"
     step test_cuda_flash_autocast 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "autocast or flash_pair"
 fi
-if [ "$part" = next ] || [ "$part" = issue19 ]; then :
+if [ "$part" = max_tokens ]; then
+    DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-585} ))
+    PEERS_MEGATRAIN_OPTIONS='{"host_activation_budget": "32GiB"}' \
+    step peers_32_layers_max_tokens 500 "$PY" benchmarks/peers.py --systems megatrain --layers 32 --seq 13440 \
+        --batch 8 --steps 3 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
+        --timeout 490 --out-dir "$OUT" --tag megatrain-32layers-max-tokens
+fi
+if [ "$part" = next ] || [ "$part" = issue19 ] || [ "$part" = max_tokens ]; then :
 elif [ "$part" = peers ]; then
     # megatrain's own row comes from "next" on the same machine (its compile alone took 99 s).
     step peers_others 590 "$PY" benchmarks/peers.py --layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB \
         --systems fsdp2_cpu_offload,deepspeed_zero3_offload,megatrain_reference,resident_torch_compile \
         --timeout 140 --out-dir "$OUT" --tag peers-8layers
 else
-    echo "gpu_session.sh: unknown part '$part' (next, issue19 or peers)" >&2
+    echo "gpu_session.sh: unknown part '$part' (next, issue19, max_tokens or peers)" >&2
     exit 2
 fi

@@ -151,13 +151,22 @@ def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _neither_fits(whole: BudgetError, chunked: BudgetError) -> BudgetError:
     """The error of the plans with the layers whole (its minimum is where they fit), naming
-    the lower minimum chunking reaches (where "auto" would chunk)."""
+    the lower minimum chunking reaches (where "auto" would chunk), and where chunked plans fit
+    the budget but not host_activation_budget, the cap that would do with them."""
     lower = chunked.minimum_budget if chunked.minimum_budget and whole.minimum_budget and \
         chunked.minimum_budget < whole.minimum_budget else None
     note = (f" With each layer's per-token runs in chunks (option token_chunks, which 'auto' picks at such a "
             f"budget) it needs at least {lower} bytes ({format_bytes(lower)}).") if lower else ""
+    host = chunked.least_host_activation_bytes
+    if host is not None and (whole.least_host_activation_bytes is None or host < whole.least_host_activation_bytes):
+        note += (f" With each layer's per-token runs in chunks (which 'auto' picks then) a plan fits memory_budget "
+                 f"putting {format_bytes(host)} of activations on the host: raise host_activation_budget to {host} "
+                 f"for it.")
+    else:
+        host = whole.least_host_activation_bytes
     return BudgetError(f"{whole}{note}", minimum_budget=whole.minimum_budget, limiting_layer=whole.limiting_layer,
-                       streaming_floor=whole.streaming_floor, token_chunked_minimum=lower)
+                       streaming_floor=whole.streaming_floor, token_chunked_minimum=lower,
+                       least_host_activation_bytes=host)
 
 
 def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, names, roles) -> tuple[Any, str | None]:

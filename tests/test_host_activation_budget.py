@@ -104,10 +104,30 @@ def test_no_plan_within_both_budgets_is_a_clear_error_before_anything_runs(built
         compiled(*_batches(1)[0])
     torch._dynamo.reset()
     # The cap that would do: no more than what the least of the plans built without a cap needs.
-    least = int(re.search(r"Raise host_activation_budget to at least (\d+)", str(raised.value)).group(1))
+    least = int(re.search(r"Raise host_activation_budget to (\d+) \(that plan fits it\)", str(raised.value)).group(1))
     assert 0 < least <= min(a.host_activation_bytes for a in built if a.peak <= budget)
+    assert raised.value.least_host_activation_bytes == least
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+def test_the_error_names_the_cap_token_chunked_plans_need_where_it_is_lower():
+    """Where no plan fits both budgets with the layers whole nor token-chunked, the error says
+    what cap the chunked plans need when theirs is the lower one ("auto" chunks then)."""
+    from megacompile.backend import _neither_fits
+
+    def capped(least: int) -> BudgetError:
+        return BudgetError(f"no plan within both budgets; raise host_activation_budget to {least}",
+                           minimum_budget=None, limiting_layer="layers.0", least_host_activation_bytes=least)
+
+    error = _neither_fits(capped(68 << 30), capped(33 << 30))
+    assert error.least_host_activation_bytes == 33 << 30
+    assert f"raise host_activation_budget to {33 << 30} for it" in str(error)
+    error = _neither_fits(capped(30 << 30), capped(33 << 30))  # whole needs less: its own message says so
+    assert error.least_host_activation_bytes == 30 << 30 and "token_chunks" not in str(error)
+    device = BudgetError("memory_budget is too small", minimum_budget=70 << 30, limiting_layer="layers.0")
+    error = _neither_fits(device, capped(33 << 30))  # whole fits no budget, chunked only the device's
+    assert error.least_host_activation_bytes == 33 << 30 and str(33 << 30) in str(error)
 
 
 def test_option_parsing():

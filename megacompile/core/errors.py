@@ -28,15 +28,19 @@ class BudgetError(MegacompileError, ValueError):
     computed it) is what streaming layer by layer needs at least (``plan/streaming_floor.py``).
     ``token_chunked_minimum`` (where it is lower): the smallest budget with each layer's
     per-token runs in chunks (option ``token_chunks``; "auto" chunks at such a budget).
+    ``least_host_activation_bytes`` (where plans fit the budget but not ``host_activation_budget``):
+    the least activations any of them puts on the host, the cap that would do.
     """
 
     def __init__(self, message: str, minimum_budget: int, limiting_layer: str,
-                 streaming_floor: int | None = None, token_chunked_minimum: int | None = None):
+                 streaming_floor: int | None = None, token_chunked_minimum: int | None = None,
+                 least_host_activation_bytes: int | None = None):
         super().__init__(message)
         self.minimum_budget = minimum_budget
         self.limiting_layer = limiting_layer
         self.streaming_floor = streaming_floor
         self.token_chunked_minimum = token_chunked_minimum
+        self.least_host_activation_bytes = least_host_activation_bytes
 
 
 class PartialUpdateError(MegacompileError, RuntimeError):

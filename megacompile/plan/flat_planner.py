@@ -714,11 +714,12 @@ def _raise(attempts: list[Attempt], budget: int | None, floor: StreamingFloor, h
         least = min(within_budget, key=lambda a: a.host_activation_bytes)
         raise BudgetError(
             f"megatrain: no plan within memory_budget={format_bytes(budget)} keeps its activations on the host within "
-            f"host_activation_budget={format_bytes(host_budget)}: the least any puts there is "
+            f"host_activation_budget={format_bytes(host_budget)}: of the plans built, the least any puts there is "
             f"{format_bytes(least.host_activation_bytes)} ({least.host_activation_bytes} bytes, plan "
-            f"'{least.plan.policy}'). Raise host_activation_budget to at least {least.host_activation_bytes}, raise "
-            f"memory_budget, or shrink the step (smaller batch or sequence length).",
-            minimum_budget=None, limiting_layer=str(least.plan.limiting_layer), streaming_floor=floor.bytes)
+            f"'{least.plan.policy}'). Raise host_activation_budget to {least.host_activation_bytes} (that plan fits "
+            f"it), raise memory_budget, or shrink the step (smaller batch or sequence length).",
+            minimum_budget=None, limiting_layer=str(least.plan.limiting_layer), streaming_floor=floor.bytes,
+            least_host_activation_bytes=least.host_activation_bytes)
     best = min(attempts, key=lambda a: a.peak).plan
     raise BudgetError(
         f"megatrain: memory_budget={format_bytes(budget)} is too small for this training step. "
