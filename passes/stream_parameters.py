@@ -65,8 +65,11 @@ def alias_uses(value: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _wait_for_resident_loads(gm: fx.GraphModule, position: dict) -> None:
-    """Loads the plan placed for resident parameters need their wait before first use."""
+def _place_resident_loads(gm: fx.GraphModule, position: dict, issue_position) -> None:
+    """Loads the plan placed for resident parameters (at the forward's front, by
+    resident_parameters) are issued where a streamed load of the same value would be, and
+    waited for before their first use. The copy engine takes loads in program order: left at
+    the front, every resident weight would land before the first layer's streamed inputs."""
     graph = gm.graph
     for load in [n for n in graph.nodes if n.target is ops.load]:
         if any(u.target is ops.wait for u in load.users):
@@ -74,6 +77,9 @@ def _wait_for_resident_loads(gm: fx.GraphModule, position: dict) -> None:
         uses = sorted((u for u in load.users if u in position), key=position.__getitem__)
         if not uses:
             continue
+        issue_position(load, uses[0]).prepend(load)
+        if is_host_op(load.args[0]):
+            load.prepend(load.args[0])  # its host cast runs right before it, as for a streamed load
         with graph.inserting_before(uses[0]):
             wait = graph.create_node("call_function", ops.wait, (load,), name=f"wait__{identifier(info(load).source)}")
         wait.meta["megatrain"] = NodeInfo(layer=info(load).layer, role=Role.MEMORY, phase=info(uses[0]).phase,
@@ -86,7 +92,6 @@ def run(gm: fx.GraphModule, ctx) -> None:
     # Device compute only: a host op (a host cast) is not a use that needs a load.
     compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n) and not is_host_op(n)]
     position = {n: i for i, n in enumerate(compute)}
-    _wait_for_resident_loads(gm, position)
     runs = layer_runs(compute)
     run_starts = [start for _, start in runs]
 
@@ -100,6 +105,17 @@ def run(gm: fx.GraphModule, ctx) -> None:
                 break
         return idx
 
+    def issue_position(value: fx.Node, first: fx.Node) -> fx.Node:
+        """Where the load of ``value`` (a host value, or a resident load's) is issued: at the
+        start of the run ``depth`` layers before its first use."""
+        depth = ctx.plan.prefetch.get(info(value).source, ctx.options.prefetch_depth)
+        if not run_starts:
+            return first
+        issue_at = compute[run_starts[max(0, run_index(position[first]) - depth)]]
+        return first if position[issue_at] > position[first] else issue_at
+
+    _place_resident_loads(gm, position, issue_position)
+
     host_values = [
         n for n in nodes
         if (n.op == "placeholder" or is_host_op(n)) and info(n).placement == "host" and is_tensor_node(n)
@@ -112,13 +128,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         depth = ctx.plan.prefetch.get(info(host).source, ctx.options.prefetch_depth)
         reason = ctx.plan.prefetch_reason.get(info(host).source) or (
             f"prefetched {depth} layer(s) ahead" if depth else "loaded at first use")
-        if run_starts:
-            issue_at = compute[run_starts[max(0, run_index(position[first]) - depth)]]
-            if position[issue_at] > position[first]:
-                issue_at = first
-        else:
-            issue_at = first
-        with graph.inserting_before(issue_at):
+        with graph.inserting_before(issue_position(host, first)):
             load = graph.create_node("call_function", ops.load, (host, info(host).source or host.name),
                                      name=f"load__{name}")
         if host.op != "placeholder":

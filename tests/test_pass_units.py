@@ -368,6 +368,10 @@ def test_resident_parameters_load_once_for_both_passes(captured_mlp):
         load = forward_loads[name]
         assert info(load).decision == "resident" and load in crossing  # itself or a view of it is saved
         assert [u.target for u in load.users if ops.is_memory_op(u)] == [ops.wait]
+    # Issued where a streamed load would be (the copy engine takes loads in program order), not
+    # all at the forward's front: the head's weight after the first layer's compute has begun.
+    order = list(built.forward.graph.nodes)
+    assert order.index(forward_loads["head.weight"]) > order.index(_compute(built.forward)[0])
     streamed = set(_params(step)) - set(both)
     for name in streamed:
         load = forward_loads[name]
@@ -381,6 +385,39 @@ def test_resident_parameters_load_once_for_both_passes(captured_mlp):
     ctx = step.context("joint", plan)
     resident_parameters.run(built.joint, ctx)
     assert not _calls(built.joint, ops.load)
+
+
+def test_resident_parameters_under_bf16_keep_each_weights_bf16_copy_for_both_passes(captured_mlp_bf16):
+    """Under bf16 both passes read a weight's bf16 copy (autocast's forward cast, which the
+    backward reuses). A resident weight's copy is loaded once, right after its host cast, at 2
+    bytes an element, issued where a streamed load would be (not all at the forward's front),
+    and crosses to the backward, which loads it no more."""
+    step = captured_mlp_bf16
+    joint = step.fresh_joint_graph()
+    annotate.run(joint, step.context("joint"))
+    host_casts.run(joint, step.context("joint"))
+    both = [info(n).source for n in resident_parameters.used_in_both_phases(joint)]
+    # The weights the backward multiplies by (not the first layer's: no gradient flows to x),
+    # read by both passes only through their bf16 copies.
+    weights = [p for p in _params(step) if p.endswith("weight") and p != "layers.0.0.weight"]
+    assert both == weights, both
+    built = _build(step, PlanSpec(name="resident", resident=tuple(both)))
+    _check_invariants(built)
+    resident = [n for n in _calls(built.forward, ops.load) if info(n).decision == "resident"]
+    copies = {info(n.args[0].args[0]).source: n for n in resident if host_casts.is_host_cast(n.args[0])}
+    assert set(copies) == set(weights)
+    crossing = {_view_root(v) for v in _outputs(built.forward)[step.num_fwd_outputs:]}
+    for load in copies.values():
+        assert load.meta["val"].dtype == torch.bfloat16 and info(load).nbytes == load.meta["val"].numel() * 2
+        assert load.prev is load.args[0] and load in crossing  # right after its cast; saved for the backward
+    # Issued in use order with the streamed loads: the last layer's copy comes after the first
+    # layer's compute has started.
+    order = list(built.forward.graph.nodes)
+    first_compute = next(n for n in _compute(built.forward) if not host_casts.is_host_cast(n))
+    assert order.index(copies[weights[-1]]) > order.index(first_compute)
+    backward_sources = {info(n.args[0].args[0] if host_casts.is_host_cast(n.args[0]) else n.args[0]).source
+                        for n in _calls(built.backward, ops.load)}
+    assert not backward_sources & set(weights), backward_sources
 
 
 # --- recompute ---------------------------------------------------------------------------------
