@@ -92,6 +92,71 @@ def test_below_recompute_all_a_cap_streams_only_the_layers_whose_inputs_the_host
     assert capped.plan.peak_bytes <= budget and "streamed" in capped.plan.policy, capped.plan.policy
 
 
+class _DeepMLP(torch.nn.Module):
+    """12 small layers and a head, whose saved values are little more than their inputs: offloading every
+    saved value needs less device memory than recompute-all keeping every layer's input (the
+    shape of a deep model at long context)."""
+
+    def __init__(self, layers: int = 12, dim: int = 64) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU())
+                                          for _ in range(layers))
+        self.head = torch.nn.Linear(dim, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_capped_streamed_mixes_are_not_hidden_by_a_smaller_plan_over_the_cap():
+    """Below recompute-all's peak the capped mixes (only the layers whose inputs the host holds
+    streamed) are drawn in under the smallest plan that fits the host, not under offload-all,
+    which is smaller here but puts every saved value on the host."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(512, 64, generator=gen), torch.randn(512, 8, generator=gen)) for _ in range(2)]
+    built, make = [], flat_planner.PlanMaker.make
+
+    def spy(self, spec, snapshots=False):
+        attempt = make(self, spec, snapshots)
+        built.append(attempt)
+        return attempt
+
+    def model():
+        torch.manual_seed(0)
+        return _DeepMLP()
+
+    def mse_step(m):
+        return make_training_step(m, lambda out, y: torch.nn.functional.mse_loss(out, y))[0]
+
+    flat_planner.PlanMaker.make = spy
+    try:
+        compiled = torch.compile(mse_step(model()), backend="megatrain",
+                                 options={"device": "cpu", "lowering": "eager", "memory_budget": 1024, **OPTIONS})
+        with pytest.raises(BudgetError):
+            compiled(*batches[0])
+    finally:
+        flat_planner.PlanMaker.make = make
+        torch._dynamo.reset()
+    plans = {a.plan.policy: a for a in built}
+    recompute_all, offload_all = plans["recompute (all layers)"], plans["offload (all layers)"]
+    assert offload_all.peak < recompute_all.peak  # the shape this test is about
+    # Room on the host for two layers' inputs, and a budget under every plan without streamed
+    # layers that keeps within that room: only a mix streaming a layer or two fits both.
+    cap = 2 * min(a.host_activation_bytes for a in built if a.host_activation_bytes > 0)
+    budget = min(a.peak for a in built if a.host_activation_bytes <= cap and "streamed" not in a.plan.policy) - 1
+    assert not any(a.peak <= budget and a.host_activation_bytes <= cap for a in built)  # none built without the cap
+    with records.recording() as compiled_records:
+        pairs, reference = train_side_by_side(model(), mse_step, batches,
+                                              {"memory_budget": budget, "host_activation_budget": cap, **OPTIONS})
+    torch._dynamo.reset()
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    (record,) = [r for r in compiled_records if r.backward is not None]
+    assert offload_all.peak < record.plan.peak_bytes <= budget, record.plan.policy
+    assert 0 < _host_bytes(record) <= cap and "streamed" in record.plan.policy, record.plan.policy
+
+
 def test_no_plan_within_both_budgets_is_a_clear_error_before_anything_runs(built):
     recompute_all = next(a for a in built if a.plan.policy == "recompute (all layers)")
     budget = recompute_all.peak - 1  # only plans with layer inputs on the host fit the device
