@@ -11,9 +11,11 @@ the backward the parameters again) this pass inserts
     evict (right after the last use: the device copy is dead and its slot is reused)
 
 and rewrites the uses to read the device copy. The backward loads parameters again; nothing
-loaded in the forward is still alive when the forward ends. A host cast (``host_casts``) is a
-host value like a parameter: its result is what is loaded, and it moves to just before its
-load.
+loaded in the forward is still alive when the forward ends, except what the plan made
+resident: those loads (placed by ``resident_parameters``) move to where a streamed load of the
+same value would be issued, get their wait, and cross to the backward. A host cast
+(``host_casts``) is a host value like a parameter: its result is what is loaded, and it moves
+to just before its load.
 """
 from __future__ import annotations
 

@@ -593,7 +593,8 @@ def _streamed_mixes(make: Callable, layers: list[str], recompute_all: Attempt, f
     budgets between its peak and the next plan up. ``streamed=False`` (above the floor only):
     keep or recompute, no layer streamed, for a host that may not hold their inputs
     (``host_activation_budget``); only picks that keep some layer are built. ``host_budget``
-    (below the floor): only the first layers whose inputs fit it together may be streamed."""
+    (below the floor): a layer may be streamed only if its inputs fit it together with those of
+    the layers before it that may (in layer order)."""
     inputs = layer_inputs(recompute_all, layers)
     input_bytes = layer_input_bytes(recompute_all, inputs)
     may_stream, on_host = set(), 0
