@@ -57,13 +57,12 @@ def used_in_both_phases(joint: fx.GraphModule) -> list[fx.Node]:
     """Parameter placeholders read by the forward and by the backward, as they are or through
     one of their host copies."""
     return [node for node in joint.graph.nodes
-            if compat.is_primal(node) and info(node).role == "param" and _crossing_values(node)]
+            if compat.is_primal(node) and info(node).role == "param" and _crossing_values(node, _host_copies(node))]
 
 
-def _crossing_values(param: fx.Node) -> list[fx.Node]:
-    """What of the parameter both passes read: the parameter as it is (its host copies aside,
-    which read it on the host) and each host copy of it."""
-    copies = _host_copies(param)
+def _crossing_values(param: fx.Node, copies: list[fx.Node]) -> list[fx.Node]:
+    """What of the parameter both passes read: the parameter as it is (its host ``copies``
+    aside, which read it on the host) and each of those copies."""
     own = [param] if _read_in_both_phases(param, skip=tuple(copies)) else []
     return own + [c for c in copies if _read_in_both_phases(c)]
 
@@ -89,7 +88,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
         # after its cast; the cast stays on the host, served by the persistent copy), whichever
         # both passes read (a tied embedding: its lookup reads the weight in the forward only).
         copies = _host_copies(param)
-        for value in _crossing_values(param):
+        for value in _crossing_values(param, copies):
             users = [u for u in value.users if u not in copies]  # a host copy keeps reading the host tensor
             name = source if value is param else info(value).source or f"{source}.{value.name}"
             with graph.inserting_after(anchor if value is param else value):

@@ -83,6 +83,10 @@ def build_model(config: dict, num_layers: int, precision: str = "fp32", device: 
     return model
 
 
+# Where ``traced_model`` puts the model of each precision (see its docstring).
+TRACED_DEVICE = {"fp32": "meta", "bf16": "cpu"}
+
+
 def traced_model(config: dict, num_layers: int, precision: str):
     """The model ``megacompile plan`` traces for ``precision``, and the device of its inputs.
 
@@ -92,9 +96,10 @@ def traced_model(config: dict, num_layers: int, precision: str):
     norms and loss inputs). So bf16 traces fp32 weights on the host, allocated but never written
     (``to_empty``: a 7B model's two traced layers cost page tables, not gigabytes).
     """
-    if precision == "bf16":
-        return build_model(config, num_layers, "fp32").to_empty(device="cpu"), "cpu"
-    return build_model(config, num_layers, precision), "meta"
+    device = TRACED_DEVICE[precision]
+    if device == "cpu":
+        return build_model(config, num_layers, "fp32").to_empty(device="cpu"), device
+    return build_model(config, num_layers, precision), device
 
 
 def make_step(model) -> Callable:

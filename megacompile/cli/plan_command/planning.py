@@ -18,6 +18,7 @@ from megacompile.cli.plan_command import (
 from megacompile.cli.plan_command.digest import Trace
 from megacompile.cli.plan_command.full_depth import DepthPlan, _min_peak, choose_plan
 from megacompile.cli.plan_command.host_memory import OVERLAPPED_HOST_BYTES_PER_PARAM, host_bytes
+from megacompile.cli.plan_command.meta_model import TRACED_DEVICE
 from megacompile.cli.plan_command.scale_out import scale_out
 from megacompile.cli.plan_command.search import SearchResult, search_largest
 from megacompile.cli.plan_command.text_report import format_text
@@ -369,7 +370,7 @@ def plan_model(config: dict, profile: HardwareProfile, *, batch: int, seq_len: i
         suggestions=suggestions,
         max_seq_len=max_seq,
         method={
-            "traced_layers": trace.k, "device": "cpu" if precision == "bf16" else "meta",
+            "traced_layers": trace.k, "device": TRACED_DEVICE[precision],
             "policies_built": list(trace.policies),
             "repeat_check": {"identical": True, "quantities": sorted(trace.layer_checks)},
             "probes": [{"batch": b, "seq_len": s} for (b, s) in list(traces) + list(search_traces)],
