@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from megacompile.capture import records
-from megacompile.capture.inline_regions import inline_nested_regions
+from megacompile.capture.inline_regions import inline_checkpoint_regions, inline_nested_regions
 from megacompile.capture.records import CompiledGraph
 from megacompile.capture.training_compiler import TrainingCompiler, lower_with
 from megacompile.core import torch_compat as compat
@@ -81,9 +81,11 @@ def check_placement(example_inputs: list, names: list[str], roles: list[str]) ->
 
 
 def _unsupported_reason(gm: fx.GraphModule) -> str | None:
+    # Marked layers are inlined here or partitioned per body; a custom autograd.Function is
+    # traced by AOTAutograd into plain ops of both graphs (its own backward in the backward).
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, compat.HigherOrderOperator) \
-                and not compat.is_invoke_subgraph(node.target):
+                and not compat.is_invoke_subgraph(node.target) and not compat.is_custom_autograd_function(node.target):
             return (f"the graph calls the higher-order op '{node.target.__name__}', whose subgraphs the "
                     f"streaming passes cannot rewrite yet")
     return None
@@ -225,6 +227,10 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     )
     if not needs_grad:
         return _host_region(gm, example_inputs, opts)
+    # The step's own torch.utils.checkpoint regions: the planner decides what to recompute.
+    if checkpoints := inline_checkpoint_regions(gm):
+        log.info("megatrain: %d activation checkpoint region(s) of the step inlined; the plan decides what is "
+                 "recomputed", checkpoints)
     # Layers marked with torch.compiler.nested_compile_region: Dynamo traced each body once.
     # AOTAutograd then traces and partitions each distinct body once too, and the step's
     # partitioner inlines the partitioned bodies per call (capture.TrainingCompiler.partition).

@@ -1,10 +1,18 @@
-"""Inline ``torch.compiler.nested_compile_region`` calls before the streaming passes.
+"""Inline ``torch.compiler.nested_compile_region`` calls and the step's own activation
+checkpoints before the streaming passes.
 
 A layer marked with ``nested_compile_region`` is traced by Dynamo once; every later call of
 it is an ``invoke_subgraph`` node over the one traced body, so Dynamo's time no longer grows
 with depth. The streaming passes need each layer's ops in the flat graph (a parameter is
 loaded before its layer and evicted after it; activations are saved per layer), so this
 module copies the body in at every call site before AOTAutograd sees the graph.
+
+A region under ``torch.utils.checkpoint`` (``model.gradient_checkpointing_enable()``, a
+Trainer's ``gradient_checkpointing=True``) reaches the backend as a ``tag_activation_checkpoint``
+call over its body. What to keep and what to recompute is the planner's decision, made per
+layer under the memory budget, so ``inline_checkpoint_regions`` drops the wrapper and keeps
+the ops: the values are the same (recomputing replays the forward, RNG included), and a step
+written for a GPU with checkpointing on runs streamed rather than falling back to eager.
 
 What matters for attribution: the body's ops carry the module paths of the instance Dynamo
 traced (say ``layers.1``); a copy at the call site of ``layers.5`` gets its paths rewritten
@@ -56,8 +64,26 @@ def _body_path(body: fx.GraphModule) -> str | None:
     return min(paths, key=len) if paths else None
 
 
-def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of) -> int:
-    """Replaces every ``invoke_subgraph`` call in ``gm`` by a copy of its body (in place).
+def _operands(call: fx.Node) -> list:
+    """The body's inputs among a call's arguments: ``invoke_subgraph(body, identifier, *operands)``,
+    ``tag_activation_checkpoint(body, *operands)``."""
+    return list(call.args[2:] if compat.is_invoke_subgraph(call.target) else call.args[1:])
+
+
+def _copy_attribute(gm: fx.GraphModule, body: fx.GraphModule, name: str) -> str:
+    """A body's attribute (a nested body, a constant) put on ``gm`` under a name it lacks."""
+    value = getattr(body, name)
+    fresh, k = name, 0
+    while hasattr(gm, fresh):
+        k += 1
+        fresh = f"{name}_{k}"
+    setattr(gm, fresh, value)
+    return fresh
+
+
+def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of, is_call=None) -> int:
+    """Replaces every ``invoke_subgraph`` call in ``gm`` (or every call ``is_call(target)``
+    selects) by a copy of its body (in place).
 
     ``call_site(call)``: (the call site's module path, its enclosing modules' stack entries);
     ``body_path(body)``: the module path the body was traced at, renamed to the call site's
@@ -65,7 +91,8 @@ def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of) -> int:
     or None to keep theirs. Returns how many calls were inlined.
     """
     graph = gm.graph
-    calls = [n for n in graph.nodes if n.op == "call_function" and compat.is_invoke_subgraph(n.target)]
+    is_call = is_call or compat.is_invoke_subgraph
+    calls = [n for n in graph.nodes if n.op == "call_function" and is_call(n.target)]
     if not calls:
         return 0
     bodies = {call.args[0].target for call in calls}
@@ -75,10 +102,10 @@ def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of) -> int:
     for call in calls:
         body_node = call.args[0]
         body = getattr(gm, body_node.target)
-        operands = list(call.args[2:])
+        operands = _operands(call)
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(operands):
-            raise ValueError(f"invoke_subgraph '{call.name}': {len(operands)} operands for "
+            raise ValueError(f"{call.target.__name__} '{call.name}': {len(operands)} operands for "
                              f"{len(placeholders)} body inputs")
         env: dict[fx.Node, fx.Node] = dict(zip(placeholders, operands))
         (new, outer), old, tag = sites[call], body_path(body), tag_of(call)
@@ -90,7 +117,10 @@ def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of) -> int:
                 if n.op == "output":
                     outputs = fx.node.map_arg(n.args[0], lambda a: env[a])
                     continue
-                copy = graph.node_copy(n, lambda a: env[a])
+                if n.op == "get_attr":  # a nested body or a constant of the body's: moved onto gm
+                    copy = graph.get_attr(_copy_attribute(gm, body, n.target))
+                else:
+                    copy = graph.node_copy(n, lambda a: env[a])
                 copy.meta = dict(n.meta)
                 copy.meta[BODY_NODE] = (body_node.target, n.name)
                 for key in ("nn_module_stack", "fwd_nn_module_stack"):
@@ -99,13 +129,15 @@ def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of) -> int:
                 if tag is not None:
                     copy.meta["partitioner_tag"] = tag
                 env[n] = copy
-        results = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        if not isinstance(outputs, (tuple, list)):
+            call.replace_all_uses_with(outputs)
         for user in list(call.users):
             if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(results[user.args[1]])
+                user.replace_all_uses_with(outputs[user.args[1]])
                 graph.erase_node(user)
             else:
-                raise ValueError(f"invoke_subgraph '{call.name}' is used by '{user.name}' other than by indexing")
+                raise ValueError(f"{call.target.__name__} '{call.name}' is used by '{user.name}' other than by "
+                                 f"indexing")
         graph.erase_node(call)
         if not body_node.users:
             graph.erase_node(body_node)
@@ -170,3 +202,13 @@ def inline_nested_regions(gm: fx.GraphModule) -> int:
     """Replaces every ``invoke_subgraph`` call of a Dynamo graph by a copy of its body, as
     traced (in place). Returns how many calls were inlined."""
     return _inline_calls(gm, _own_site, _region_path, lambda call: None)
+
+
+def inline_checkpoint_regions(gm: fx.GraphModule) -> int:
+    """Replaces every ``tag_activation_checkpoint`` call of a Dynamo graph by its body's ops
+    (in place; nested checkpoints too). Returns how many calls were inlined."""
+    total = 0
+    while count := _inline_calls(gm, lambda call: (None, {}), lambda body: None, lambda call: None,
+                                 compat.is_activation_checkpoint):
+        total += count
+    return total

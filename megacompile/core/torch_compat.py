@@ -383,6 +383,19 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
+def is_activation_checkpoint(target) -> bool:
+    """A region under ``torch.utils.checkpoint`` as Dynamo records it (``tag_activation_checkpoint``)."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    return hop is not None and target is hop
+
+
+def is_custom_autograd_function(target) -> bool:
+    """A ``torch.autograd.Function`` as Dynamo records it (``autograd_function_apply``): AOTAutograd
+    traces its forward into the forward graph and its own backward into the backward graph."""
+    hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+    return hop is not None and target is hop
+
+
 def is_invoke_subgraph(target) -> bool:
     """A call of a ``torch.compiler.nested_compile_region`` body (``invoke_subgraph``)."""
     hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
