@@ -396,6 +396,35 @@ def test_plan_model_bf16():
     assert bf16.time["flops"] == fp32.time["flops"]
 
 
+def test_plan_model_bf16_with_a_tied_embedding():
+    """bf16 traces host weights made from meta ones (``to_empty``), which gave the tied embedding
+    and lm_head a tensor each: a 2-weight program, and a parameter count the config disagreed with."""
+    cfg = {**small_config(preset="llama-3-8b", layers=4), "tie_word_embeddings": True}
+    plan = planning.plan_model(cfg, H200, batch=1, seq_len=64, precision="bf16")
+    n = presets.count_parameters(cfg)
+    assert plan.host["total_bytes"] == 14 * n
+    vocab, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    assert n == presets.count_parameters({**cfg, "tie_word_embeddings": False}) - vocab * hidden
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0}),  # eager attention
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+])
+def test_plan_model_of_an_architecture_counted_on_meta(model_type, extra):
+    """An architecture without an analytic count: parameters from the model built on meta, equal
+    to the built model's; Gemma 2, whose soft-capped attention sdpa cannot run, plans with its
+    own eager attention."""
+    import transformers
+
+    cfg = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, **extra}
+    built = transformers.AutoModelForCausalLM.from_config(presets.build_transformers_config(cfg))
+    assert presets.count_parameters(cfg) == sum(p.numel() for p in built.parameters())
+    plan = planning.plan_model(cfg, H200, batch=1, seq_len=64, precision="bf16")
+    assert plan.host["total_bytes"] == 14 * presets.count_parameters(cfg)
+
+
 def _synthetic(value: float):
     """A stand-in trace whose smallest full-depth peak is ``value`` (for the search alone)."""
     import types

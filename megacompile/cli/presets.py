@@ -2,11 +2,11 @@
 
 A preset is the Hugging Face config.json of a public model (the fields that shape
 the weights; tokenizer ids and the like are left out). `plan` can also take a path
-to any config.json of a supported architecture. Parameters are counted from the
-config alone, so planning a 72B or 120B model needs no weights and no memory.
-
-Supported architectures (decoder-only, RMSNorm, gated SiLU MLP, RoPE, optional GQA):
-llama, mistral, qwen2, qwen3.
+to the config.json of any causal LM transformers can build. Parameters are counted from the
+config alone, so planning a 72B or 120B model needs no weights and no memory: analytically
+for llama, mistral, qwen2 and qwen3 (decoder-only, RMSNorm, gated SiLU MLP, RoPE, optional
+GQA), and for any other architecture (Gemma, Mixtral, Phi-3, ...) from the model built on the
+meta device, where parameters have shapes but no storage.
 """
 
 from __future__ import annotations
@@ -169,9 +169,7 @@ def count_parameters(config: dict[str, Any]) -> int:
     """
     model_type = config.get("model_type")
     if model_type not in _SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"cannot count parameters of model_type {model_type!r}; supported: {', '.join(_SUPPORTED_MODEL_TYPES)}"
-        )
+        return _count_on_meta(config)
     hidden = _require(config, "hidden_size")
     intermediate = _require(config, "intermediate_size")
     layers = _require(config, "num_hidden_layers")
@@ -218,6 +216,26 @@ def count_parameters(config: dict[str, Any]) -> int:
     lm_head = 0 if config.get("tie_word_embeddings", False) else vocab * hidden
     final_norm = hidden
     return embedding + layers * per_layer + final_norm + lm_head
+
+
+def _count_on_meta(config: dict[str, Any]) -> int:
+    """The parameters of the causal LM transformers builds for ``config``, on the meta device
+    (shapes, no storage; a tied lm_head counted once)."""
+    import torch  # lazy, with transformers below
+    from transformers import AutoModelForCausalLM
+
+    cfg = dict(config)
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) != cfg.get("num_hidden_layers"):
+        cfg.pop("layer_types")  # sized by the full depth; a per-layer attention kind holds no weights
+    hf = build_transformers_config(cfg)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf)
+    except ValueError as e:
+        raise ValueError(f"cannot count parameters of model_type {config.get('model_type')!r}: transformers "
+                         f"builds no causal LM for it ({e})") from e
+    return sum(p.numel() for p in model.parameters())
 
 
 def build_transformers_config(config_dict: dict[str, Any]):

@@ -77,8 +77,15 @@ def build_model(config: dict, num_layers: int, precision: str = "fp32", device: 
     cfg.pop("layer_types", None)  # sized by the full depth in some config.json files
     hf = build_transformers_config(cfg)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf, attn_implementation=ATTN_IMPLEMENTATION,
-                                                 dtype=_DTYPES[precision])
+        try:
+            model = AutoModelForCausalLM.from_config(hf, attn_implementation=ATTN_IMPLEMENTATION,
+                                                     dtype=_DTYPES[precision])
+        except ValueError as e:
+            if "attention implementation" not in str(e):
+                raise
+            # A model whose attention sdpa cannot compute (Gemma 2's logit soft-capping): it trains
+            # with its own eager attention, which saves the attention matrix (O(seq^2) bytes).
+            model = AutoModelForCausalLM.from_config(hf, attn_implementation="eager", dtype=_DTYPES[precision])
     model.train()
     return model
 
@@ -98,7 +105,9 @@ def traced_model(config: dict, num_layers: int, precision: str):
     """
     device = TRACED_DEVICE[precision]
     if device == "cpu":
-        return build_model(config, num_layers, "fp32").to_empty(device="cpu"), device
+        model = build_model(config, num_layers, "fp32").to_empty(device="cpu")
+        model.tie_weights()  # moving off meta gave a tied embedding and lm_head a tensor each
+        return model, device
     return build_model(config, num_layers, precision), device
 
 
