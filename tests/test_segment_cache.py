@@ -128,3 +128,23 @@ def test_memory_estimate_holds_segment_inputs_to_the_segment_end(monkeypatch):
         assert all(h >= o for (_, h), (_, o) in zip(held, op_by_op)), part
         raised += sum(h > o for (_, h), (_, o) in zip(held, op_by_op))
     assert raised > 0
+
+
+def test_a_segment_inductor_lays_out_otherwise_still_compiles():
+    """Inductor re-traces a segment with its own decompositions: its ``cat`` of one non-empty
+    tensor (a KV cache's empty start, then transposed keys, as in Bloom) keeps the keys'
+    transposed layout where eager's is contiguous, and the trace's ``view`` of it failed to
+    compile. Segments are compiled with their views as reshapes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def attention_keys(empty, keys):
+        joined = torch.ops.aten.cat.default([empty, keys], -2)
+        return torch.ops.aten.view.default(joined, [8, -1, 16]) * 2
+
+    empty, keys = torch.empty(0), torch.randn(2, 16, 4, 16).transpose(1, 2)
+    want = attention_keys(empty, keys)
+    with pytest.raises(Exception, match="view"):
+        compat.inductor_compile(make_fx(attention_keys)(empty, keys), [empty, keys])
+    compiled = compat.inductor_compile_segment(make_fx(attention_keys)(empty, keys), [empty, keys])
+    got = compiled(empty, keys)  # as runtime/instructions.py calls a segment
+    torch.testing.assert_close(got[0] if isinstance(got, (list, tuple)) else got, want, rtol=0, atol=0)

@@ -559,7 +559,7 @@ def lower_with(options: Options, device):
     """A lowering function bound to the options: graph -> StreamingProgram."""
     # One cache for the forward and the backward of this graph: a repeated layer's segments
     # are compiled once.
-    compile_segment = SegmentCache(compat.inductor_compile)
+    compile_segment = SegmentCache(compat.inductor_compile_segment)
 
     def lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str,
               saved_from: int | None = None):

@@ -244,6 +244,26 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Calla
     return compile_fx(gm, list(example_inputs))
 
 
+def inductor_compile_segment(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """Compile a segment of a traced program with Inductor.
+
+    Inductor traces the segment again, with its own decompositions, and those may lay a value
+    out otherwise than the trace that made the segment: its ``cat`` of one non-empty tensor
+    (a KV cache's empty start and the keys) clones the keys' transposed layout, where eager's
+    ``cat`` is contiguous, and the trace's ``view`` of it then fails. The segment's graph is
+    functional, so each view that nothing writes through becomes a reshape, which is the same
+    view wherever one is possible and a copy otherwise."""
+    def written(node: fx.Node) -> bool:
+        return any(isinstance(user.target, OpOverload) and user.target._schema.is_mutable for user in node.users)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.aten.view.default,
+                                                          torch.ops.aten._unsafe_view.default) and not written(node):
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return inductor_compile(gm, example_inputs)
+
+
 def inductor_backend() -> Callable:
     """Plain Inductor as a Dynamo backend: the fallback for graphs megacompile declines."""
     from torch._inductor.compile_fx import compile_fx  # lazy: Inductor takes seconds to import
