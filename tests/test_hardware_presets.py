@@ -243,9 +243,17 @@ def test_full_size_presets_match_published_totals(name):
     assert counted == _meta_param_count(config)
 
 
-def test_count_parameters_rejects_unsupported_architecture():
-    with pytest.raises(ValueError, match="supported: llama"):
-        count_parameters({"model_type": "gpt2", "n_embd": 768})
+def test_count_parameters_of_other_architectures_builds_them_on_meta():
+    """No analytic count: the causal LM transformers builds, counted on the meta device (tied
+    weights once); a model type with no causal LM is refused, naming it."""
+    import transformers
+
+    config = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 97, "n_positions": 32}
+    built = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{k: v for k, v in config.items()
+                                                                    if k != "model_type"}))
+    assert count_parameters(config) == sum(p.numel() for p in built.parameters())
+    with pytest.raises(ValueError, match="'t5': transformers builds no causal LM"):
+        count_parameters({"model_type": "t5", "d_model": 64, "num_layers": 2})
 
 
 @pytest.mark.parametrize("model_type, key", [("qwen2", "num_key_value_heads"), ("mistral", "num_key_value_heads"),

@@ -221,8 +221,8 @@ def count_parameters(config: dict[str, Any]) -> int:
 def _count_on_meta(config: dict[str, Any]) -> int:
     """The parameters of the causal LM transformers builds for ``config``, on the meta device
     (shapes, no storage; a tied lm_head counted once)."""
-    import torch  # lazy, with transformers below
-    from transformers import AutoModelForCausalLM
+    import torch  # lazy: only this count needs it here
+    from transformers import AutoModelForCausalLM  # lazy: an optional dependency (pip install ".[hf]")
 
     cfg = dict(config)
     layer_types = cfg.get("layer_types")
