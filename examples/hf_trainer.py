@@ -119,6 +119,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)")
     p.add_argument("--warmup-steps", type=int, default=5, help="linear LR warmup (default: %(default)s)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (default: %(default)s)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="the Trainer's activation checkpointing (under megatrain its plan decides the recompute)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the default model (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size of the default model (default: %(default)s)")
     p.add_argument("--output-dir", default=None, help="Trainer output directory (default: a temporary one)")
@@ -160,6 +162,7 @@ def training_arguments(args, megatrain: bool) -> TrainingArguments:
         output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm, weight_decay=0.0, lr_scheduler_type="linear",
+        gradient_checkpointing=args.gradient_checkpointing,
         # megatrain: the Trainer's tensors stay on the host; plain: the Trainer computes on --device.
         use_cpu=megatrain or args.device == "cpu",
         seed=args.seed, logging_steps=max(1, args.steps // 10), save_strategy="no", report_to=[],

@@ -58,8 +58,8 @@ def _recording(trainer_class):
     return Recording
 
 
-def _train(model, megatrain: bool, tmp_path, budget: int | None = None):
-    args = transformers.TrainingArguments(
+def _train(model, megatrain: bool, tmp_path, budget: int | None = None, gradient_checkpointing: bool = False):
+    args = transformers.TrainingArguments(gradient_checkpointing=gradient_checkpointing,
         output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUM, learning_rate=1e-2, warmup_steps=1, lr_scheduler_type="linear",
         max_grad_norm=0.5, optim="adamw_torch", weight_decay=0.01, use_cpu=True, seed=0,
@@ -75,14 +75,19 @@ def _train(model, megatrain: bool, tmp_path, budget: int | None = None):
     return trainer
 
 
-def test_trainer_through_megatrain_matches_plain_trainer(tmp_path):
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_trainer_through_megatrain_matches_plain_trainer(tmp_path, gradient_checkpointing):
+    """With the Trainer's gradient_checkpointing on too: megatrain inlines the checkpointed layers
+    and plans their recompute itself (docs/guide.md, "A step's own regions")."""
     model = _tiny_llama()
     reference_model = copy.deepcopy(model)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # Too small to keep the parameters resident: they stream, and some activations are recomputed.
     budget = 5 * param_bytes // 2
-    reference = _train(reference_model, megatrain=False, tmp_path=tmp_path / "plain")
-    trainer = _train(model, megatrain=True, tmp_path=tmp_path / "megatrain", budget=budget)
+    reference = _train(reference_model, megatrain=False, tmp_path=tmp_path / "plain",
+                       gradient_checkpointing=gradient_checkpointing)
+    trainer = _train(model, megatrain=True, tmp_path=tmp_path / "megatrain", budget=budget,
+                     gradient_checkpointing=gradient_checkpointing)
 
     assert len(trainer.losses) == len(reference.losses) == STEPS * ACCUM
     torch.testing.assert_close(torch.tensor(trainer.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0)
