@@ -7,13 +7,18 @@ the whole graph to plain eager, unstreamed. Now a Function's forward and its own
 traced into the two programs, and a checkpoint's body is inlined: what to recompute is the
 planner's decision. The references are eager PyTorch with the same regions.
 """
-import copy
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-from reference_models import labels_training_step, make_training_step, tiny_llama, training_state_bytes
+from reference_models import (
+    labels_training_step,
+    make_training_step,
+    tiny_llama,
+    train_side_by_side,
+    training_state_bytes,
+)
 
 import megacompile
 from megacompile.capture.inline_regions import inline_checkpoint_regions
@@ -63,26 +68,22 @@ def _model(region: str) -> nn.Module:
 
 
 def _train(model, step_of, batches, options, autocast=False):
-    """Losses of megatrain and of eager on a copy, and the copy. Fails on any megatrain warning
-    (a fallback to plain eager warns) and unless the step ran as a streamed program within
-    the budget."""
-    reference = copy.deepcopy(model)
+    """``train_side_by_side``, failing on any megatrain warning (a fallback to plain eager warns)
+    and unless the step streamed within the budget."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = torch.compile(step_of(model), backend="megatrain", options={"device": "cpu", "lowering": "eager",
-                                                                              **options})
-        eager = step_of(reference)
-        pairs = []
-        for batch in batches:
-            got = compiled(*batch)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                pairs.append((got, eager(*batch)))
+        pairs, reference = train_side_by_side(model, step_of, batches, options, autocast=autocast)
     assert [str(w.message) for w in caught if "megatrain" in str(w.message)] == []
-    assert any(record.forward is not None and record.backward is not None
-               for record in megacompile.compiled_graphs(compiled))
     report = megacompile.last_report()
     assert report.h2d_bytes > 0 and report.measured_peak_device_bytes <= options["memory_budget"]
     return pairs, reference
+
+
+def _assert_same_training(pairs, model, reference, param_rtol=1e-5):
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=param_rtol, atol=1e-6)
 
 
 def _regression_batches(steps=3):
@@ -99,10 +100,7 @@ def test_a_region_streams_and_trains_like_eager_in_fp32(region):
     model = _model(region)
     pairs, reference = _train(model, _mse_step, _regression_batches(),
                               {"memory_budget": training_state_bytes(model) // 4})
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same_training(pairs, model, reference)
 
 
 def test_a_custom_function_trains_like_eager_autocast_in_bf16():
@@ -122,10 +120,7 @@ def test_a_transformers_model_with_gradient_checkpointing_streams():
     batches = [(torch.randint(0, 96, (2, 16), generator=g),) for _ in range(3)]
     pairs, reference = _train(model, labels_training_step, batches,
                               {"memory_budget": training_state_bytes(model) // 4})
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    _assert_same_training(pairs, model, reference, param_rtol=1e-4)
 
 
 def test_nested_checkpoints_are_inlined_into_the_same_computation():
