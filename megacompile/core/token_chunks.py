@@ -285,18 +285,19 @@ def token_chunked_backward(body: str, chunks: int, tokens: list[torch.Tensor], s
                 sums[i - k].add_(g)
             del g
         del got
-    empty = tokens[0].new_empty((0,))
-    result = [empty if g is None else g.view(tokens[i].shape) for i, g in enumerate(token_grads)]
+    def empty():  # one per unneeded gradient: a custom op's returns may not alias one another
+        return tokens[0].new_empty((0,))
+
+    result = [empty() if g is None else g.view(tokens[i].shape) for i, g in enumerate(token_grads)]
     for s, t, need in zip(sums, shared, needs[k:]):
-        result.append(s.to(t.dtype) if need and s is not None else (torch.zeros_like(t) if need else empty))
+        result.append(s.to(t.dtype) if need and s is not None else (torch.zeros_like(t) if need else empty()))
     return result
 
 
 @token_chunked_backward.register_fake
 def _(body, chunks, tokens, shared, grads, needs):
-    empty = tokens[0].new_empty((0,))
     ins = list(tokens) + list(shared)
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) if need else empty
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) if need else tokens[0].new_empty((0,))
             for t, need in zip(ins, needs)]
 
 
