@@ -1,0 +1,230 @@
+"""Architectures and training loops no test names, each trained with megatrain and eagerly side by side.
+
+On the CPU stand-in (eager lowering unless --lowering), under a memory budget that is a
+fraction of the model's training state, a few AdamW steps on random data. Prints one row per
+(case, precision): the largest relative loss difference to eager PyTorch (bf16: eager under
+CPU autocast), the largest absolute parameter difference, the plan, and any megatrain warning
+(a warning means the step fell back to plain eager or Inductor) or the error.
+
+    python benchmarks/model_sweep.py                     # every case, fp32 and bf16
+    python benchmarks/model_sweep.py --cases mixtral,t5 --precision bf16 --token-chunks 2
+
+Parameters can differ by Adam's normalised noise where a true gradient is zero (attention key
+biases), so losses are the comparison; a fallback or an error is what the sweep looks for.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import megacompile
+
+VOCAB = 128
+LM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB,
+          max_position_embeddings=64)
+
+
+def _hf(config_class: str, model_class: str, **config):
+    def build():
+        import transformers  # lazy: only the Hugging Face cases need it
+
+        return getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+    return build
+
+
+def _tokens(g):
+    x = torch.randint(0, VOCAB, (2, 16), generator=g)
+    return x, x
+
+
+def _lm_loss(m, x, y):
+    return m(input_ids=x, labels=y).loss
+
+
+class WeightNormMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.utils.parametrizations.weight_norm(nn.Linear(32, 32)) for _ in range(4))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return self.head(x)
+
+
+class TorchEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 3)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+class ConvUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.down1, self.norm1 = nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16)
+        self.down2, self.norm2 = nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GroupNorm(4, 32)
+        self.up, self.norm3 = nn.ConvTranspose2d(32, 16, 2, stride=2), nn.GroupNorm(4, 16)
+        self.out = nn.Conv2d(32, 3, 1)
+
+    def forward(self, x):
+        a = F.silu(self.norm1(self.down1(x)))
+        b = F.silu(self.norm2(self.down2(a)))
+        return self.out(torch.cat([a, F.silu(self.norm3(self.up(b)))], 1))
+
+
+class LSTMLanguageModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.rnn, self.head = nn.Embedding(64, 32), nn.LSTM(32, 32, 2, batch_first=True), nn.Linear(32, 64)
+
+    def forward(self, x):
+        return self.head(self.rnn(self.embed(x))[0])
+
+
+def _mse(m, x, y):
+    return ((m(x) - y) ** 2).mean()
+
+
+# name: (build, batch from a generator, loss of a model on a batch, budget as a fraction of the training state)
+CASES = {
+    "mistral": (_hf("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, sliding_window=8, **LM),
+                _tokens, _lm_loss, 0.3),
+    "qwen2": (_hf("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2, **LM), _tokens, _lm_loss, 0.3),
+    "qwen3": (_hf("Qwen3Config", "Qwen3ForCausalLM", num_key_value_heads=2, head_dim=16, **LM), _tokens, _lm_loss, 0.3),
+    "phi3": (_hf("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=4, pad_token_id=0, **LM), _tokens, _lm_loss, 0.3),
+    "gemma": (_hf("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=1, head_dim=16, **LM), _tokens, _lm_loss, 0.3),
+    "gemma2": (_hf("Gemma2Config", "Gemma2ForCausalLM", num_key_value_heads=2, head_dim=16, sliding_window=8, **LM),
+               _tokens, _lm_loss, 0.5),
+    "gpt_neox": (_hf("GPTNeoXConfig", "GPTNeoXForCausalLM", **LM), _tokens, _lm_loss, 0.3),
+    "falcon": (_hf("FalconConfig", "FalconForCausalLM", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                   vocab_size=VOCAB), _tokens, _lm_loss, 0.3),
+    "bloom": (_hf("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=3, n_head=4, vocab_size=VOCAB),
+              _tokens, _lm_loss, 0.3),
+    "gptj": (_hf("GPTJConfig", "GPTJForCausalLM", n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, rotary_dim=8,
+                 n_positions=64), _tokens, _lm_loss, 0.3),
+    "mixtral": (_hf("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2, **LM), _tokens, _lm_loss, 0.3),
+    "qwen2_moe": (_hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_key_value_heads=2, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, **LM),
+                  _tokens, _lm_loss, 0.3),
+    "phi": (_hf("PhiConfig", "PhiForCausalLM", **LM), _tokens, _lm_loss, 0.3),
+    "olmo": (_hf("OlmoConfig", "OlmoForCausalLM", num_key_value_heads=4, **LM), _tokens, _lm_loss, 0.3),
+    "starcoder2": (_hf("Starcoder2Config", "Starcoder2ForCausalLM", num_key_value_heads=2, **LM),
+                   _tokens, _lm_loss, 0.3),
+    "cohere": (_hf("CohereConfig", "CohereForCausalLM", num_key_value_heads=2, **LM), _tokens, _lm_loss, 0.3),
+    "t5": (_hf("T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128,
+               num_layers=2, num_decoder_layers=2, num_heads=4, decoder_start_token_id=0, dropout_rate=0.0),
+           lambda g: (torch.randint(0, VOCAB, (2, 12), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g)),
+           _lm_loss, 0.3),
+    "bert_mlm": (_hf("BertConfig", "BertForMaskedLM", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+                     num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0), _tokens, _lm_loss, 0.3),
+    "vit": (_hf("ViTConfig", "ViTForImageClassification", image_size=32, patch_size=8, num_channels=3,
+                hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128, num_labels=10),
+            lambda g: (torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)),
+            lambda m, x, y: m(pixel_values=x, labels=y).loss, 0.3),
+    "resnet": (_hf("ResNetConfig", "ResNetForImageClassification", num_channels=3, embedding_size=16,
+                   hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=10),
+               lambda g: (torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)),
+               lambda m, x, y: m(pixel_values=x, labels=y).loss, 0.8),
+    "weight_norm": (WeightNormMLP, lambda g: (torch.randn(8, 32, generator=g), torch.randn(8, 1, generator=g)),
+                    _mse, 0.4),
+    "torch_encoder": (TorchEncoder, lambda g: (torch.randint(0, 64, (4, 10), generator=g),
+                                               torch.randn(4, 1, generator=g)), _mse, 0.4),
+    "conv_unet": (ConvUNet, lambda g: (torch.randn(2, 3, 16, 16, generator=g), torch.randn(2, 3, 16, 16, generator=g)),
+                  _mse, 3.0),
+    "lstm": (LSTMLanguageModel, lambda g: (lambda x: (x, x))(torch.randint(0, 64, (2, 10), generator=g)),
+             lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten()), 0.4),
+}
+
+
+def _step_of(loss_of, gradient_checkpointing: bool):
+    def make(model):
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(*batch):
+            loss = loss_of(model, *batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+    return make
+
+
+def run_case(name: str, precision: str, args) -> str:
+    build, batch_of, loss_of, fraction = CASES[name]
+    torch.manual_seed(0)
+    model = build()
+    model.train()
+    reference = copy.deepcopy(model)
+    budget = int(sum(p.numel() * 16 for p in model.parameters()) * fraction)
+    options = {"device": "cpu", "lowering": args.lowering, "memory_budget": budget, "precision": precision}
+    if args.token_chunks:
+        options["token_chunks"] = args.token_chunks
+    make = _step_of(loss_of, args.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False))
+    started = time.perf_counter()
+    g = torch.Generator().manual_seed(1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = torch.compile(make(model), backend="megatrain", options=options)
+            eager = make(reference)
+            worst = 0.0
+            for _ in range(args.steps):
+                batch = batch_of(g)
+                got = compiled(*batch)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    want = eager(*batch)
+                worst = max(worst, abs(got.item() - want.item()) / abs(want.item()))
+    except Exception as e:  # noqa: BLE001  (the sweep reports every failure and goes on)
+        return f"{name:14s} {precision:5s} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    finally:
+        torch._dynamo.reset()
+    params = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    report = megacompile.last_report()
+    fallbacks = sorted({str(w.message)[:160] for w in caught if "megatrain" in str(w.message)})
+    return (f"{name:14s} {precision:5s} loss {worst:8.1e}  params {params:8.1e}  "
+            f"{time.perf_counter() - started:5.1f} s  plan: {report.policy if report else '-'}"
+            + (f"  WARNING {fallbacks}" if fallbacks else ""))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated (default: all)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both")
+    p.add_argument("--lowering", choices=["eager", "inductor"], default="eager")
+    p.add_argument("--token-chunks", type=int, default=None, help="every layer's per-token runs in N chunks")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="the Hugging Face models that support it: their own activation checkpointing")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    print(f"# {' '.join(sys.argv)}")
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  "
+          f"torch {torch.__version__}; loss: largest |megatrain - eager| / eager over {args.steps} steps; "
+          f"params: largest absolute difference after them")
+    precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
+    for name in args.cases.split(","):
+        for precision in precisions:
+            print(run_case(name, precision, args), flush=True)
+
+
+if __name__ == "__main__":
+    main()
