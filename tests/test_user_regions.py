@@ -123,6 +123,24 @@ def test_a_transformers_model_with_gradient_checkpointing_streams():
     _assert_same_training(pairs, model, reference, param_rtol=1e-4)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpointed_layers_marked_repeated(precision):
+    """``mark_repeated_layers`` and gradient checkpointing together: each checkpoint body holds a
+    marked layer's call (``invoke_subgraph`` over a body of its own), moved onto the graph when
+    the checkpoint is inlined; under bf16 the marked calls are inlined in turn."""
+    model = tiny_llama(layers=4)
+    model.gradient_checkpointing_enable()
+    model.train()
+    megacompile.mark_repeated_layers(model)  # the eager copy runs the marked layers as plain calls
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 96, (2, 16), generator=g),) for _ in range(2)]
+    budget = training_state_bytes(model) // 4
+    pairs, _ = _train(model, labels_training_step, batches, {"memory_budget": budget, "precision": precision},
+                      autocast=precision == "bf16")
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5 if precision == "fp32" else STOCK_LOSS_RTOL, atol=0)
+
+
 def test_nested_checkpoints_are_inlined_into_the_same_computation():
     """The outer body holds the inner body as an attribute: it is moved onto the graph."""
     torch.manual_seed(0)
