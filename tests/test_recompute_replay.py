@@ -274,3 +274,37 @@ def test_opt_at_the_minimum_budget_matches_eager():
     record = _training_record()
     assert record.plan.peak_bytes == minimum
     assert _replayed(record), record.plan.policy
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_active_dropout_is_drawn_once_and_trains_like_eager(gradient_checkpointing):
+    """GPT-2 with its dropouts at 0.1, under a budget that recomputes. A random op is saved,
+    never replayed (a replay would draw a new mask, so the backward would not be the
+    forward's). Under the eager lowering the program draws the same numbers in the same order
+    as eager (the same generator, the forward's order), so the losses equal eager's bitwise,
+    also with the model's own gradient checkpointing (eager replays its masks from saved RNG
+    state; megatrain keeps them)."""
+    import transformers
+    from reference_models import labels_training_step, training_state_bytes
+
+    import megacompile
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=32,
+                                                                 vocab_size=96))
+    assert model.config.resid_pdrop == model.config.attn_pdrop == 0.1
+    model.train()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(labels_training_step(model), backend="megatrain", options={
+        "device": "cpu", "lowering": "eager", "memory_budget": int(training_state_bytes(model) * 0.3)})
+    eager = labels_training_step(reference)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 96, (2, 16), generator=gen) for _ in range(STEPS)]
+    torch.manual_seed(42)
+    got = [compiled(x) for x in batches]
+    assert megacompile.last_report().recomputed_ops  # replays happened, dropout not among them
+    torch.manual_seed(42)
+    want = [eager(x) for x in batches]
+    assert torch.equal(torch.stack(got), torch.stack(want)), (got, want)
