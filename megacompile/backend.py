@@ -197,6 +197,7 @@ def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, n
         user_cuda_autocast = True
     compiler = TrainingCompiler(opts, device, names, roles, example_inputs, lower_with(opts, device))
     compiler.captured_snapshots = captured.snapshots
+    compiler.autocast_added = opts.autocast_dtype is not None or user_cuda_autocast
     log.info("%s: compiling a graph of %d nodes (%d parameters) for %s; capturing it with AOTAutograd",
              compiler.record.label, len(gm.graph.nodes), roles.count("param"), opts.device)
     try:

@@ -18,6 +18,7 @@ from megacompile.passes import (
     fuse_lm_head,
     host_casts,
     merge_compute_runs,
+    narrow_dtype_extremes,
     offload_gradients,
     recompute,
     resident_parameters,
@@ -26,8 +27,8 @@ from megacompile.passes import (
 from megacompile.passes.contract import PassContract, PassOrderError, check_order
 from megacompile.passes.manager import GraphSnapshot, PassContext, run_pipeline
 
-PASS_ORDER = (canonical_operators, elide_causal_mask, fuse_lm_head, chunk_tokens, annotate, host_casts,
-              resident_parameters, recompute, stream_parameters, offload_gradients, merge_compute_runs)
+PASS_ORDER = (canonical_operators, elide_causal_mask, fuse_lm_head, chunk_tokens, annotate, narrow_dtype_extremes,
+              host_casts, resident_parameters, recompute, stream_parameters, offload_gradients, merge_compute_runs)
 check_order([p.CONTRACT for p in PASS_ORDER])
 
 __all__ = [

@@ -59,6 +59,10 @@ class PassContext:
     input_roles: list[str]
     # Forward: how many outputs are the user's (the rest are saved for the backward).
     num_user_outputs: int = 0
+    # The graph runs under autocast that Dynamo's trace did not see (precision="bf16", or the
+    # step's or caller's CUDA regions retargeted to the host tensors): the model's Python read
+    # fp32 dtypes where autocast's values are bf16 (narrow_dtype_extremes).
+    autocast_added: bool = False
     snapshots: list[GraphSnapshot] = dataclasses.field(default_factory=list)
     ran: list[str] = dataclasses.field(default_factory=list)
     # Facts that hold now (PassContract.provides of the passes that ran on this graph), and

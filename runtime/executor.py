@@ -266,7 +266,8 @@ class _Lowering:
     # --- one node -------------------------------------------------------------------------
     def op(self, node: fx.Node) -> ComputeOp:
         return ComputeOp(name=node.name, layer=info(node).layer if has_info(node) else None, out=self.slot(node),
-                         fn=node.target, args=self.template(node.args), kwargs=self.template(node.kwargs))
+                         fn=compat.layout_tolerant_target(node), args=self.template(node.args),
+                         kwargs=self.template(node.kwargs))
 
     def host_op(self, node: fx.Node) -> HostOp | WeightCopy:
         if is_weight_copy_cast(node):

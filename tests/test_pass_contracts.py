@@ -57,8 +57,8 @@ def test_unknown_stage_is_refused():
 
 def test_optional_passes_are_derived_from_the_contracts():
     assert optional_pass_names() == ["canonical_operators", "elide_causal_mask", "fuse_lm_head", "chunk_tokens",
-                                     "host_casts", "resident_parameters", "stream_parameters", "offload_gradients",
-                                     "merge_compute_runs"]
+                                     "narrow_dtype_extremes", "host_casts", "resident_parameters",
+                                     "stream_parameters", "offload_gradients", "merge_compute_runs"]
     assert "parameters_streamed" not in facts_after("forward", ["stream_parameters"])
     assert "outputs_offloaded" in facts_after("forward", ["stream_parameters"])
     assert facts_after("joint") >= {"annotated", "recompute_applied", "resident_loads"}

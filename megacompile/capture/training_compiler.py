@@ -98,6 +98,8 @@ class TrainingCompiler:
         self.record = CompiledGraph(label=f"graph{next(_graph_counter)}", options=options)
         # The passes' snapshots of Dynamo's graph (stage "dynamo"), shown before the plan's.
         self.captured_snapshots: list = []
+        # Autocast the backend added after Dynamo's trace (see PassContext.autocast_added).
+        self.autocast_added = False
         self.started = time.perf_counter()
 
         # The forward records the parameter tensors it ran with; the backward's gradient i
@@ -117,7 +119,8 @@ class TrainingCompiler:
                 )
 
     def _ctx(self, stage: str, plan: TrainingPlan, num_user_outputs: int = 0) -> PassContext:
-        return PassContext(self.options, stage, plan, self.input_names, self.input_roles, num_user_outputs)
+        return PassContext(self.options, stage, plan, self.input_names, self.input_roles, num_user_outputs,
+                           autocast_added=self.autocast_added)
 
     # --- building plans on a joint graph ------------------------------------------------
     def _builder(self, joint: fx.GraphModule, num_fwd_outputs: int):

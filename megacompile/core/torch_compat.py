@@ -250,18 +250,31 @@ def inductor_compile_segment(gm: fx.GraphModule, example_inputs: Sequence[Any]) 
     Inductor traces the segment again, with its own decompositions, and those may lay a value
     out otherwise than the trace that made the segment: its ``cat`` of one non-empty tensor
     (a KV cache's empty start and the keys) clones the keys' transposed layout, where eager's
-    ``cat`` is contiguous, and the trace's ``view`` of it then fails. The segment's graph is
-    functional, so each view that nothing writes through becomes a reshape, which is the same
-    view wherever one is possible and a copy otherwise."""
-    def written(node: fx.Node) -> bool:
-        return any(isinstance(user.target, OpOverload) and user.target._schema.is_mutable for user in node.users)
-
+    ``cat`` is contiguous, and the trace's ``view`` of it then fails. Views run as reshapes
+    (``layout_tolerant_target``)."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (torch.ops.aten.view.default,
-                                                          torch.ops.aten._unsafe_view.default) and not written(node):
-            node.target = torch.ops.aten.reshape.default
+        if node.op == "call_function":
+            node.target = layout_tolerant_target(node)
     gm.recompile()
     return inductor_compile(gm, example_inputs)
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def layout_tolerant_target(node: fx.Node) -> Any:
+    """The op to run for a traced node: a view that nothing writes through runs as a reshape.
+
+    A value's strides at run time are not always the trace's: a fake tensor's strides may not
+    be the eager kernel's (2.13, CPU: ``softplus_backward`` of a transposed gradient keeps its
+    layout, its fake is contiguous; Qwen3-Next's gated delta rule then fails in plain
+    ``torch.compile(backend="aot_eager")`` too), and a compiler may lay a value out otherwise.
+    The trace's ``view`` of such a value fails. The graphs are functional, so a reshape is the
+    same view wherever one is possible and a copy otherwise, at a view's dispatch cost."""
+    if node.target in _VIEWS and not any(
+            isinstance(user.target, OpOverload) and user.target._schema.is_mutable for user in node.users):
+        return torch.ops.aten.reshape.default
+    return node.target
 
 
 def inductor_backend() -> Callable:
