@@ -3,11 +3,13 @@
 On the CPU stand-in (eager lowering unless --lowering), under a memory budget that is a
 fraction of the model's training state, a few AdamW steps on random data. Prints one row per
 (case, precision): the largest relative loss difference to eager PyTorch (bf16: eager under
-CPU autocast), the largest absolute parameter difference, the plan, and any megatrain warning
+CPU autocast; the eager AdamW step is megatrain's host kernel, whose sqrt is correctly rounded
+where MKL's is 1 ulp off for some elements, which bf16 would amplify), the largest absolute parameter difference, the plan, and any megatrain warning
 (a warning means the step fell back to plain eager or Inductor) or the error.
 
     python benchmarks/model_sweep.py                     # every case, fp32 and bf16
     python benchmarks/model_sweep.py --cases mixtral,t5 --precision bf16 --token-chunks 2
+    python benchmarks/model_sweep.py --precision bf16 --autocast-in-step   # the step's own autocast region
 
 Parameters can differ by Adam's normalised noise where a true gradient is zero (attention key
 biases), so losses are the comparison; a fallback or an error is what the sweep looks for.
@@ -15,6 +17,7 @@ biases), so losses are the comparison; a fallback or an error is what the sweep 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import platform
 import sys
@@ -100,6 +103,26 @@ def _mse(m, x, y):
     return ((m(x) - y) ** 2).mean()
 
 
+def _images(g):
+    return torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 3, (2,), generator=g)
+
+
+def _pixels_loss(m, x, y):
+    return m(pixel_values=x, labels=y).loss
+
+
+def _sentences(g):
+    return torch.randint(2, VOCAB, (2, 16), generator=g), torch.randint(0, 3, (2,), generator=g)
+
+
+def _source_target(g):
+    return torch.randint(2, VOCAB, (2, 12), generator=g), torch.randint(2, VOCAB, (2, 8), generator=g)
+
+
+def _speech(g):
+    return torch.randn(2, 1600, generator=g), torch.randint(1, 30, (2, 4), generator=g)
+
+
 # name: (build, batch from a generator, loss of a model on a batch, budget as a fraction of the training state)
 CASES = {
     "mistral": (_hf("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, sliding_window=8, **LM),
@@ -150,23 +173,107 @@ CASES = {
                   _mse, 3.0),
     "lstm": (LSTMLanguageModel, lambda g: (lambda x: (x, x))(torch.randint(0, 64, (2, 10), generator=g)),
              lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten()), 0.4),
+    # Added on 2026-11-26 (second sweep): state-space and hybrid models, MLA, more MoE, encoders,
+    # vision and speech. Dropouts and drop paths off where the config has them on (each side draws
+    # its own random numbers: the comparison would measure the draws).
+    "mamba": (_hf("MambaConfig", "MambaForCausalLM", vocab_size=VOCAB, hidden_size=64, state_size=8,
+                  num_hidden_layers=3, use_mambapy=False), _tokens, _lm_loss, 1.5),
+    "mamba2": (_hf("Mamba2Config", "Mamba2ForCausalLM", vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16,
+                   state_size=16, n_groups=1, num_hidden_layers=3, chunk_size=8), _tokens, _lm_loss, 0.6),
+    "jamba": (_hf("JambaConfig", "JambaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                  attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                  num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
+              _tokens, _lm_loss, 0.6),
+    "falcon_h1": (_hf("FalconH1Config", "FalconH1ForCausalLM", num_key_value_heads=2, mamba_d_ssm=64,
+                      mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8, **LM),
+                  _tokens, _lm_loss, 0.3),
+    "qwen3_next": (_hf("Qwen3NextConfig", "Qwen3NextForCausalLM", num_key_value_heads=2, head_dim=16,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                       linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, full_attention_interval=2,
+                       **{**LM, "num_hidden_layers": 4}), _tokens, _lm_loss, 0.6),
+    "lfm2": (_hf("Lfm2Config", "Lfm2ForCausalLM", num_key_value_heads=2, full_attn_idxs=[1], **LM),
+             _tokens, _lm_loss, 0.3),
+    "rwkv": (_hf("RwkvConfig", "RwkvForCausalLM", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+                 attention_hidden_size=64, intermediate_size=128, context_length=32), _tokens, _lm_loss, 0.3),
+    "deepseek_v3": (_hf("DeepseekV3Config", "DeepseekV3ForCausalLM", moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16,
+                        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        num_key_value_heads=4, **LM), _tokens, _lm_loss, 0.3),
+    "gpt_oss": (_hf("GptOssConfig", "GptOssForCausalLM", head_dim=16, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, **{**LM, "intermediate_size": 64}),
+                _tokens, _lm_loss, 0.6),
+    "llama4": (_hf("Llama4TextConfig", "Llama4ForCausalLM", num_key_value_heads=2, head_dim=16,
+                   intermediate_size_mlp=128, num_local_experts=2, attention_chunk_size=8,
+                   **{**LM, "intermediate_size": 64}), _tokens, _lm_loss, 0.3),
+    "dbrx": (_hf("DbrxConfig", "DbrxForCausalLM", d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
+                 vocab_size=VOCAB, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}), _tokens, _lm_loss, 0.3),
+    "gemma3": (_hf("Gemma3TextConfig", "Gemma3ForCausalLM", num_key_value_heads=2, head_dim=16, sliding_window=8,
+                   **LM), _tokens, _lm_loss, 0.3),
+    "olmo2": (_hf("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2, **LM), _tokens, _lm_loss, 0.3),
+    "bart": (_hf("BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=64, encoder_layers=2,
+                 decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                 decoder_ffn_dim=128, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0),
+             _source_target, _lm_loss, 0.3),
+    "deberta_v2": (_hf("DebertaV2Config", "DebertaV2ForSequenceClassification", vocab_size=VOCAB, hidden_size=64,
+                       num_hidden_layers=3, num_attention_heads=4, intermediate_size=128, relative_attention=True,
+                       pos_att_type=["p2c", "c2p"], max_position_embeddings=64, num_labels=3,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+                   _sentences, _lm_loss, 0.3),
+    "modernbert": (_hf("ModernBertConfig", "ModernBertForMaskedLM", vocab_size=VOCAB, hidden_size=64,
+                       num_hidden_layers=3, num_attention_heads=4, intermediate_size=128, local_attention=8,
+                       global_attn_every_n_layers=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2, cls_token_id=1, sep_token_id=2), _tokens, _lm_loss, 0.3),
+    "swin": (_hf("SwinConfig", "SwinForImageClassification", image_size=32, patch_size=4, embed_dim=16,
+                 depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=3, drop_path_rate=0.0),
+             _images, _pixels_loss, 1.0),
+    "convnext": (_hf("ConvNextConfig", "ConvNextForImageClassification", num_channels=3, hidden_sizes=[16, 32],
+                     depths=[1, 1], num_stages=2, num_labels=3), _images, _pixels_loss, 0.8),
+    "segformer": (_hf("SegformerConfig", "SegformerForSemanticSegmentation", num_channels=3, num_encoder_blocks=2,
+                      depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+                      patch_sizes=[7, 3], strides=[4, 2], decoder_hidden_size=32, num_labels=3, drop_path_rate=0.0,
+                      classifier_dropout_prob=0.0),
+                  lambda g: (torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 3, (2, 32, 32), generator=g)),
+                  _pixels_loss, 0.8),
+    "wav2vec2_ctc": (_hf("Wav2Vec2Config", "Wav2Vec2ForCTC", vocab_size=32, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=128, conv_dim=(16, 16), conv_stride=(5, 4),
+                         conv_kernel=(10, 4), num_feat_extract_layers=2, hidden_dropout=0.0, attention_dropout=0.0,
+                         activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, mask_time_prob=0.0,
+                         layerdrop=0.0, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                         ctc_loss_reduction="mean"),
+                     _speech, lambda m, x, y: m(input_values=x, labels=y).loss, 1.0),
 }
 
 
-def _step_of(loss_of, gradient_checkpointing: bool):
+def _step_of(loss_of, gradient_checkpointing: bool, autocast_in_step: bool = False):
     def make(model):
         if gradient_checkpointing:
             model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def step(*batch):
-            loss = loss_of(model, *batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16) if autocast_in_step else contextlib.nullcontext():
+                loss = loss_of(model, *batch)
             loss.backward()
             opt.step()
             opt.zero_grad()
             return loss.detach()
+        step.optimizer = opt
         return step
     return make
+
+
+def _megatrain_arithmetic(opt: torch.optim.Optimizer) -> None:
+    """The eager side's AdamW step as megatrain's host kernel computes it (a correctly rounded
+    sqrt, where MKL's is 1 ulp off for some elements): bf16 turns such ulps into lr-sized
+    differences a step later, which would hide what the sweep looks for."""
+    from megacompile.optimizer.host_step import fused_update  # lazy: megacompile's internals, eager side only
+    from megacompile.runtime.host_adam import host_adam_available  # lazy: as above
+
+    if host_adam_available():
+        opt.step = lambda *args, **kwargs: fused_update(opt)
 
 
 def run_case(name: str, precision: str, args) -> str:
@@ -179,7 +286,8 @@ def run_case(name: str, precision: str, args) -> str:
     options = {"device": "cpu", "lowering": args.lowering, "memory_budget": budget, "precision": precision}
     if args.token_chunks:
         options["token_chunks"] = args.token_chunks
-    make = _step_of(loss_of, args.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False))
+    make = _step_of(loss_of, args.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False),
+                    args.autocast_in_step and precision == "bf16")
     started = time.perf_counter()
     g = torch.Generator().manual_seed(1)
     try:
@@ -187,6 +295,7 @@ def run_case(name: str, precision: str, args) -> str:
             warnings.simplefilter("always")
             compiled = torch.compile(make(model), backend="megatrain", options=options)
             eager = make(reference)
+            _megatrain_arithmetic(eager.optimizer)
             worst = 0.0
             for _ in range(args.steps):
                 batch = batch_of(g)
@@ -195,7 +304,8 @@ def run_case(name: str, precision: str, args) -> str:
                     want = eager(*batch)
                 worst = max(worst, abs(got.item() - want.item()) / abs(want.item()))
     except Exception as e:  # noqa: BLE001  (the sweep reports every failure and goes on)
-        return f"{name:14s} {precision:5s} ERROR {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        return f"{name:14s} {precision:5s} ERROR{_eager_fails_too(name, precision)} {type(e).__name__}: " \
+               f"{str(e).splitlines()[0][:300]}"
     finally:
         torch._dynamo.reset()
     params = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
@@ -206,6 +316,18 @@ def run_case(name: str, precision: str, args) -> str:
             + (f"  WARNING {fallbacks}" if fallbacks else ""))
 
 
+def _eager_fails_too(name: str, precision: str) -> str:
+    """" (eager too)" where the model's own step fails eagerly on the first batch (a model bug)."""
+    build, batch_of, loss_of, _ = CASES[name]
+    torch.manual_seed(0)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss_of(build().train(), *batch_of(torch.Generator().manual_seed(1))).backward()
+    except Exception:  # noqa: BLE001
+        return " (eager too)"
+    return ""
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated (default: all)")
@@ -214,6 +336,8 @@ def main() -> None:
     p.add_argument("--token-chunks", type=int, default=None, help="every layer's per-token runs in N chunks")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="the Hugging Face models that support it: their own activation checkpointing")
+    p.add_argument("--autocast-in-step", action="store_true",
+                   help="bf16: the step opens its own torch.autocast region (Dynamo traces the model under it)")
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
     print(f"# {' '.join(sys.argv)}")

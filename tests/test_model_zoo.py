@@ -6,7 +6,8 @@ that makes it stream: the paths a Llama does not take.
 - Gemma 2: soft-capped attention (its eager attention), sliding windows, a tied embedding;
 - T5: an encoder-decoder with a learned relative position bias (several graphs a step);
 - ViT: a convolutional patch embedding and a classification head;
-- Qwen3: RMSNorms over each head's queries and keys.
+- Qwen3: RMSNorms over each head's queries and keys;
+- DeBERTa-v2 (bf16): disentangled relative attention, scores masked with the dtype's least value.
 
 Losses within 1e-5 of eager over two AdamW steps (fp32: the same kernels; the differences are
 the order of a few sums). Parameters are not compared: a bias whose true gradient is zero
@@ -103,3 +104,34 @@ def test_an_architecture_trains_like_eager_while_streaming(name):
     assert report.h2d_bytes > 0 and report.measured_peak_device_bytes <= budget
     for got, want in pairs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def test_deberta_v2_trains_in_bf16_like_eager_autocast():
+    """DeBERTa-v2 fills its attention scores with ``torch.finfo(query.dtype).min``: traced before
+    the backend adds autocast, that is fp32's, which the bf16 scores cannot hold, and the fill
+    raised at run time (``narrow_dtype_extremes`` fills bf16's, as eager autocast does)."""
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        relative_attention=True, pos_att_type=["p2c", "c2p"], max_position_embeddings=64, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model.train()
+
+    def step_of(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def step(x, y):
+            loss = m(input_ids=x, labels=y).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(2, 128, (2, 16), generator=g), torch.randint(0, 3, (2,), generator=g)) for _ in range(2)]
+    options = {"memory_budget": training_state_bytes(model) // 2, "precision": "bf16"}
+    pairs, _ = train_side_by_side(model, step_of, batches, options, autocast=True)
+    assert megacompile.last_report().h2d_bytes > 0
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=2.0**-12, atol=0)  # the stock bf16 bound (tests/test_bf16.py)
