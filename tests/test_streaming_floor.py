@@ -97,3 +97,16 @@ def test_gpt2_minimum_is_within_1_25x_of_the_floor_and_trains_like_eager():
     report = megacompile.last_report()
     assert "layer inputs offloaded" in report.policy, report.policy
     assert report.measured_peak_device_bytes <= budget, str(report)
+
+
+def test_a_minimum_below_the_floor_is_explained_not_given_as_a_fraction():
+    """The floor keeps every activation a layer's backward reads; a plan that recomputes or
+    offloads them can need less, and the error then says why instead of "0.87x of it"."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_layer=3, n_head=4, n_positions=64, vocab_size=128, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+    error = _minimum(model, torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)))
+    assert error.minimum_budget < error.streaming_floor, str(error)
+    assert "below the streaming floor with every activation kept" in str(error), str(error)
+    assert "x of it" not in str(error)

@@ -722,11 +722,17 @@ def _raise(attempts: list[Attempt], budget: int | None, floor: StreamingFloor, h
             minimum_budget=None, limiting_layer=str(least.plan.limiting_layer), streaming_floor=floor.bytes,
             least_host_activation_bytes=least.host_activation_bytes)
     best = min(attempts, key=lambda a: a.peak).plan
+    if best.peak_bytes >= floor.bytes:
+        ratio = best.peak_bytes / max(floor.bytes, 1)
+        against_floor = f"the streaming floor is {floor.describe()} ({ratio:.2f}x of it)"
+    else:  # the floor keeps every activation its layer's backward reads; this plan recomputes or offloads some
+        against_floor = (f"below the streaming floor with every activation kept, {floor.describe()}, as the plan "
+                         f"recomputes or offloads some of them")
     raise BudgetError(
         f"megatrain: memory_budget={format_bytes(budget)} is too small for this training step. "
         f"The smallest plan needs {format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes) of device "
-        f"memory, set by layer '{best.limiting_layer}' (plan '{best.policy}'); the streaming floor is "
-        f"{floor.describe()} ({best.peak_bytes / max(floor.bytes, 1):.2f}x of it). Raise memory_budget to at "
+        f"memory, set by layer '{best.limiting_layer}' (plan '{best.policy}'); {against_floor}. "
+        f"Raise memory_budget to at "
         f"least {best.peak_bytes}, or shrink that layer's working set (smaller batch or sequence length, "
         f"or prefetch_depth=0).",
         minimum_budget=best.peak_bytes,
