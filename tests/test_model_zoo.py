@@ -58,6 +58,10 @@ def _vit():
         intermediate_size=128, num_labels=10))
 
 
+def _loss_with_labels(m, x, y):
+    return m(input_ids=x, labels=y).loss
+
+
 def _tokens(g):
     x = torch.randint(0, 128, (2, 16), generator=g)
     return x, x
@@ -65,24 +69,19 @@ def _tokens(g):
 
 MODELS = {
     # name: (model, batch from a generator, the loss of a model on a batch)
-    "mixtral": (_mixtral, _tokens, lambda m, x, y: m(input_ids=x, labels=y).loss),
-    "bloom": (_bloom, _tokens, lambda m, x, y: m(input_ids=x, labels=y).loss),
-    "gemma2": (_gemma2, _tokens, lambda m, x, y: m(input_ids=x, labels=y).loss),
-    "qwen3": (_qwen3, _tokens, lambda m, x, y: m(input_ids=x, labels=y).loss),
+    "mixtral": (_mixtral, _tokens, _loss_with_labels),
+    "bloom": (_bloom, _tokens, _loss_with_labels),
+    "gemma2": (_gemma2, _tokens, _loss_with_labels),
+    "qwen3": (_qwen3, _tokens, _loss_with_labels),
     "t5": (_t5, lambda g: (torch.randint(0, 128, (2, 12), generator=g), torch.randint(0, 128, (2, 8), generator=g)),
-           lambda m, x, y: m(input_ids=x, labels=y).loss),
+           _loss_with_labels),
     "vit": (_vit, lambda g: (torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)),
             lambda m, x, y: m(pixel_values=x, labels=y).loss),
 }
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_an_architecture_trains_like_eager_while_streaming(name):
-    build, batch, loss_of = MODELS[name]
-    torch.manual_seed(0)
-    model = build()
-    model.train()
-
+def _step_of(loss_of):
+    """``step_of(model)`` for ``train_side_by_side``: ``loss_of(model, x, y)``, then AdamW."""
     def step_of(m):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 
@@ -93,12 +92,22 @@ def test_an_architecture_trains_like_eager_while_streaming(name):
             opt.zero_grad()
             return loss.detach()
         return step
+    return step_of
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_an_architecture_trains_like_eager_while_streaming(name):
+    build, batch, loss_of = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    model.train()
 
     g = torch.Generator().manual_seed(1)
     budget = training_state_bytes(model) // 2  # the parameters alone take a quarter of it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pairs, _ = train_side_by_side(model, step_of, [batch(g) for _ in range(2)], {"memory_budget": budget})
+        pairs, _ = train_side_by_side(model, _step_of(loss_of), [batch(g) for _ in range(2)],
+                                      {"memory_budget": budget})
     assert [str(w.message) for w in caught if "megatrain" in str(w.message)] == []
     report = megacompile.last_report()
     assert report.h2d_bytes > 0 and report.measured_peak_device_bytes <= budget
@@ -116,22 +125,10 @@ def test_deberta_v2_trains_in_bf16_like_eager_autocast():
         relative_attention=True, pos_att_type=["p2c", "c2p"], max_position_embeddings=64, num_labels=3,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
     model.train()
-
-    def step_of(m):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-
-        def step(x, y):
-            loss = m(input_ids=x, labels=y).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        return step
-
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(2, 128, (2, 16), generator=g), torch.randint(0, 3, (2,), generator=g)) for _ in range(2)]
     options = {"memory_budget": training_state_bytes(model) // 2, "precision": "bf16"}
-    pairs, _ = train_side_by_side(model, step_of, batches, options, autocast=True)
+    pairs, _ = train_side_by_side(model, _step_of(_loss_with_labels), batches, options, autocast=True)
     assert megacompile.last_report().h2d_bytes > 0
     for got, want in pairs:
         torch.testing.assert_close(got, want, rtol=2.0**-12, atol=0)  # the stock bf16 bound (tests/test_bf16.py)
