@@ -21,6 +21,7 @@ from megacompile.core.errors import (
     OptionsError,
     PartialUpdateError,
     PlacementError,
+    UnsupportedStepError,
 )
 from megacompile.core.torch_compat import register_dynamo_backend, register_torch_logs
 from megacompile.distributed import data_parallel, no_sync
@@ -35,7 +36,7 @@ __all__ = [
     "compiled_graphs", "forget_weight_copies", "Options", "OptionsError",
     "HostMemoryError", "PartialUpdateError",
     "PlacementError", "StepReport", "last_report", "mark_repeated_layers", "megatrain", "parse_options",
-    "trace_runtime", "unmark_repeated_layers",
+    "trace_runtime", "unmark_repeated_layers", "UnsupportedStepError",
 ]
 
 register_dynamo_backend(megatrain, "megatrain")

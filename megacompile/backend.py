@@ -12,6 +12,7 @@ Dynamo splits the user's step into graphs and calls ``megatrain`` once per graph
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -26,7 +27,7 @@ from megacompile.capture.training_compiler import TrainingCompiler, lower_with
 from megacompile.core import torch_compat as compat
 from megacompile.core.autocast_lists import autocast_lists_for
 from megacompile.core.collector import cycle_collector_paused
-from megacompile.core.errors import BudgetError, PlacementError, UnsupportedGraph
+from megacompile.core.errors import BudgetError, PlacementError, UnsupportedGraph, UnsupportedStepError
 from megacompile.core.node_info import source_to_name
 from megacompile.core.printer import format_graph
 from megacompile.core.units import format_bytes
@@ -77,6 +78,34 @@ def check_placement(example_inputs: list, names: list[str], roles: list[str]) ->
                 f"megatrain: parameter '{name}' is on {value.device}, but megatrain keeps parameters in host "
                 f"memory and streams them to the device itself. Keep the model on the CPU (remove "
                 f"model.to('{value.device.type}') / model.cuda()); inputs may stay where they are."
+            )
+
+
+# Lookups that take a `sparse` flag, and where their weight is: a trainable weight read with
+# sparse=True gets a sparse COO gradient.
+_SPARSE_GRADIENT_LOOKUPS = {torch.nn.functional.embedding: "weight", torch.nn.functional.embedding_bag: "weight"}
+
+
+def check_sparse_gradients(gm: fx.GraphModule, names: list[str]) -> None:
+    """megatrain streams dense gradients back to host memory; a sparse COO gradient has a
+    data-dependent size that neither the plan nor the gradient sink can hold. Said before
+    anything runs, with the dense equivalent."""
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    for node in gm.graph.nodes:
+        weight_arg = _SPARSE_GRADIENT_LOOKUPS.get(node.target) if node.op == "call_function" else None
+        if weight_arg is None:
+            continue
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+        weight = bound.get(weight_arg)
+        example = weight.meta.get("example_value") if isinstance(weight, fx.Node) else None
+        if bound.get("sparse") is True and getattr(example, "requires_grad", False):
+            name = names[placeholders[weight]] if weight in placeholders else weight.name
+            kind = "nn.EmbeddingBag" if node.target is torch.nn.functional.embedding_bag else "nn.Embedding"
+            raise UnsupportedStepError(
+                f"megatrain: parameter '{name}' is read by an embedding with sparse=True ({kind}(..., sparse=True)), "
+                f"whose sparse gradient megatrain cannot stream: it moves dense gradients to host memory. Build it "
+                f"with sparse=False: SGD (with or without momentum) and Adagrad compute the same update from the "
+                f"dense gradient; SparseAdam's lazy update has no dense form (use Adam or AdamW)."
             )
 
 
@@ -223,6 +252,8 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     opts = parse_options(options)
     names, roles = describe_inputs(gm, example_inputs)
     check_placement(example_inputs, names, roles)
+    if torch.is_grad_enabled():
+        check_sparse_gradients(gm, names)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
     )

@@ -2,7 +2,7 @@
 
 Every case checks three things:
 - the error type (``megacompile.BudgetError`` / ``OptionsError`` / ``PlacementError``, all
-  ``ValueError``s, raised unwrapped by the compiled step rather than as Dynamo's
+  ``ValueError``s, or ``UnsupportedStepError``, raised unwrapped by the compiled step rather than as Dynamo's
   ``BackendCompilerFailed``);
 - that the message names the fix (the minimum budget, the valid option names or values,
   ``device='cpu'``, keep the model on the CPU);
@@ -75,6 +75,9 @@ def _assert_bitwise_equal(a, b, path: str = "state") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{path}: tensor became {type(b).__name__}"
         assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), f"{path}: dtype/shape/device changed"
+        assert a.layout == b.layout, f"{path}: layout changed"
+        if a.is_sparse:  # SGD's momentum from a sparse gradient
+            a, b = a.coalesce().to_dense(), b.coalesce().to_dense()
         same = torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
         assert same, f"{path}: values changed"
     elif isinstance(a, dict):
@@ -281,6 +284,78 @@ def test_parameter_off_host_is_a_placement_error():
     # A user input off the host is allowed (only parameters are megatrain's to place).
     check_placement([torch.empty(2, device="meta")], ["x"], ["input"])
     _assert_unchanged(model, opt, before)
+
+
+# --- sparse gradients -----------------------------------------------------------------------
+class SparseLookup(nn.Module):
+    def __init__(self, sparse: bool, bag: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(50, 16, sparse=sparse) if bag else nn.Embedding(50, 16, sparse=sparse)
+        self.bag = bag
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(idx) if self.bag else self.emb(idx).mean(1))
+
+
+def _sgd_step(model: nn.Module):
+    """SGD with momentum: it takes sparse gradients in eager PyTorch (Adam does not)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(idx, y):
+        loss = F.mse_loss(model(idx), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step, opt
+
+
+def _lookup_batches(n: int = 3):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 50, (8, 3), generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["embedding", "embedding_bag"])
+def test_sparse_embedding_gradient_is_refused_with_the_dense_equivalent(bag):
+    """A trainable embedding with sparse=True (a recommender's) would get a sparse gradient of
+    data-dependent size: refused before anything runs, naming the parameter and the dense
+    equivalent, which trains like the sparse eager model."""
+    torch.manual_seed(0)
+    model = SparseLookup(sparse=True, bag=bag)
+    step, opt = _sgd_step(model)
+    idx, y = _lookup_batches(1)[0]
+    step(idx, y)  # one eager step: optimizer state to keep
+    before = _snapshot(model, opt)
+    with pytest.raises(megacompile.UnsupportedStepError) as excinfo:
+        _compiled(step)(idx, y)
+    message = str(excinfo.value)
+    assert "'emb.weight'" in message and "sparse=False" in message
+    assert ("nn.EmbeddingBag" if bag else "nn.Embedding(") in message
+    _assert_unchanged(model, opt, before)
+
+    # What the message says: the dense model under megatrain trains like the sparse one in eager.
+    torch.manual_seed(1)
+    sparse_eager = SparseLookup(sparse=True, bag=bag)
+    dense = SparseLookup(sparse=False, bag=bag)
+    dense.load_state_dict(sparse_eager.state_dict())
+    compiled, eager = _compiled(_sgd_step(dense)[0]), _sgd_step(sparse_eager)[0]
+    for idx, y in _lookup_batches():
+        torch.testing.assert_close(compiled(idx, y), eager(idx, y), rtol=1e-5, atol=0)
+    for p, q in zip(dense.parameters(), sparse_eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_frozen_sparse_embedding_has_no_gradient_and_trains():
+    torch.manual_seed(0)
+    model = SparseLookup(sparse=True)
+    model.emb.weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    compiled = _compiled(make_training_step(model, F.mse_loss)[0])
+    eager = make_training_step(reference, F.mse_loss)[0]
+    for idx, y in _lookup_batches():
+        torch.testing.assert_close(compiled(idx, y), eager(idx, y), rtol=1e-6, atol=0)
 
 
 # --- a graph the passes cannot rewrite -----------------------------------------------------

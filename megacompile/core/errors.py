@@ -71,6 +71,11 @@ class PlacementError(MegacompileError, ValueError):
     """Parameters are not where megatrain needs them (it keeps them in host memory)."""
 
 
+class UnsupportedStepError(MegacompileError, NotImplementedError):
+    """The step uses something megatrain cannot stream (e.g. an embedding with sparse
+    gradients); raised before anything runs, the message says what to change."""
+
+
 class DataParallelError(MegacompileError, RuntimeError):
     """A data-parallel setup that cannot work, or a collective that failed (a rank exited,
     timed out, or ran a different step); the message says what to change."""
