@@ -123,6 +123,44 @@ def _speech(g):
     return torch.randn(2, 1600, generator=g), torch.randint(1, 30, (2, 4), generator=g)
 
 
+def _unrelated_labels(g):
+    # Funnel's decoder adds the embeddings back: labels equal to the inputs give a loss near 1e-6.
+    return torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g)
+
+
+def _whisper_batch(g):
+    return torch.randn(2, 16, 64, generator=g), torch.randint(3, VOCAB, (2, 8), generator=g)
+
+
+def _clip_batch(g):
+    return torch.randint(0, VOCAB, (4, 10), generator=g), torch.randn(4, 3, 32, 32, generator=g)
+
+
+def _mae_batch(g):
+    # The noise that orders the patches for masking is an input: both sides mask the same patches.
+    return torch.randn(2, 3, 32, 32, generator=g), torch.rand(2, 16, generator=g)
+
+
+IMAGE_TOKEN = VOCAB - 1
+
+
+def _llava_batch(g):
+    # 16 image tokens (a 32x32 image in 8x8 patches) that the model replaces with projected image features.
+    ids = torch.randint(2, VOCAB - 1, (2, 24), generator=g)
+    ids[:, 1:17] = IMAGE_TOKEN
+    labels = ids.clone()
+    labels[:, 1:17] = -100
+    return ids, torch.randn(2, 3, 32, 32, generator=g), labels
+
+
+def _patchtst_batch(g):
+    return torch.randn(4, 32, 3, generator=g), torch.randn(4, 8, 3, generator=g)
+
+
+TINY_VISION = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4)
+
+
 # name: (build, batch from a generator, loss of a model on a batch, budget as a fraction of the training state)
 CASES = {
     "mistral": (_hf("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, sliding_window=8, **LM),
@@ -244,6 +282,70 @@ CASES = {
                          layerdrop=0.0, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
                          ctc_loss_reduction="mean"),
                      _speech, lambda m, x, y: m(input_values=x, labels=y).loss, 1.0),
+    # Added on 2026-11-26 (third sweep): multimodal (contrastive towers, LLaVA's image tokens
+    # merged into the text), masked autoencoding with given noise, shared weights across layers
+    # (ALBERT, Zamba2's shared blocks), reversible layers (Reformer's custom autograd), local and
+    # sliding-chunk attention, a pooling encoder, a recurrent LM, a time-series model.
+    "whisper": (_hf("WhisperConfig", "WhisperForConditionalGeneration", vocab_size=VOCAB, num_mel_bins=16, encoder_layers=2,
+                    decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, d_model=64, encoder_ffn_dim=128,
+                    decoder_ffn_dim=128, max_source_positions=32, max_target_positions=32, dropout=0.0, pad_token_id=0,
+                    bos_token_id=1, eos_token_id=2, decoder_start_token_id=1),
+                _whisper_batch, lambda m, x, y: m(input_features=x, labels=y).loss, 0.3),
+    "clip": (_hf("CLIPConfig", "CLIPModel", text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32), vision_config=TINY_VISION,
+                 projection_dim=16), _clip_batch, lambda m, t, x: m(input_ids=t, pixel_values=x, return_loss=True).loss, 0.4),
+    "siglip": (_hf("SiglipConfig", "SiglipModel", text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32), vision_config=TINY_VISION),
+               _clip_batch, lambda m, t, x: m(input_ids=t, pixel_values=x, return_loss=True).loss, 0.4),
+    "vit_mae": (_hf("ViTMAEConfig", "ViTMAEForPreTraining", image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=128, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                    decoder_num_attention_heads=4, decoder_intermediate_size=64, mask_ratio=0.5),
+                _mae_batch, lambda m, x, n: m(pixel_values=x, noise=n).loss, 0.4),
+    "llava": (_hf("LlavaConfig", "LlavaForConditionalGeneration", vision_config={"model_type": "clip_vision_model", **TINY_VISION},
+                  text_config={"model_type": "llama", **LM}, image_token_index=IMAGE_TOKEN, projector_hidden_act="gelu",
+                  vision_feature_select_strategy="default", vision_feature_layer=-1),
+              _llava_batch, lambda m, ids, px, y: m(input_ids=ids, pixel_values=px, labels=y).loss, 0.6),
+    "gpt_bigcode": (_hf("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB,
+                        n_positions=64, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), _tokens, _lm_loss, 0.3),
+    "reformer": (_hf("ReformerConfig", "ReformerModelWithLMHead", attn_layers=["local", "local"], hidden_size=64,
+                     feed_forward_size=128, num_attention_heads=4, attention_head_size=16, vocab_size=VOCAB,
+                     axial_pos_embds=False, max_position_embeddings=64, local_attn_chunk_length=8, is_decoder=True,
+                     hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0,
+                     pad_token_id=0), _tokens, _lm_loss, 0.3),
+    "esm": (_hf("EsmConfig", "EsmForMaskedLM", vocab_size=33, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                intermediate_size=128, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32,
+                max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+            lambda g: (lambda x: (x, x))(torch.randint(4, 30, (2, 16), generator=g)), _lm_loss, 0.3),
+    "dinov2": (_hf("Dinov2Config", "Dinov2ForImageClassification", image_size=32, patch_size=8, hidden_size=64,
+                   num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, num_labels=3, drop_path_rate=0.0),
+               _images, _pixels_loss, 0.4),
+    "olmoe": (_hf("OlmoeConfig", "OlmoeForCausalLM", num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, **LM),
+              _tokens, _lm_loss, 0.3),
+    "recurrent_gemma": (_hf("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", num_hidden_layers=3, vocab_size=VOCAB,
+                            hidden_size=64, intermediate_size=128, num_attention_heads=4, lru_width=64,
+                            attention_window_size=8, block_types=["recurrent", "attention"], head_dim=16,
+                            num_key_value_heads=1), _tokens, _lm_loss, 0.6),
+    "mpt": (_hf("MptConfig", "MptForCausalLM", d_model=64, n_heads=4, n_layers=3, vocab_size=VOCAB, max_seq_len=64),
+            _tokens, _lm_loss, 0.3),
+    "albert": (_hf("AlbertConfig", "AlbertForMaskedLM", vocab_size=VOCAB, embedding_size=32, hidden_size=64,
+                   num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0), _tokens, _lm_loss, 1.0),
+    "funnel": (_hf("FunnelConfig", "FunnelForMaskedLM", vocab_size=VOCAB, block_sizes=[1, 1], num_decoder_layers=1,
+                   d_model=64, n_head=4, d_head=16, d_inner=128, hidden_dropout=0.0, attention_dropout=0.0,
+                   activation_dropout=0.0), _unrelated_labels, _lm_loss, 0.4),
+    "longformer": (_hf("LongformerConfig", "LongformerForMaskedLM", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128, attention_window=[4, 4], max_position_embeddings=80,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0), _tokens, _lm_loss, 0.3),
+    "patchtst": (_hf("PatchTSTConfig", "PatchTSTForPrediction", num_input_channels=3, context_length=32, patch_length=8,
+                     patch_stride=8, prediction_length=8, d_model=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64,
+                     dropout=0.0, attention_dropout=0.0, ff_dropout=0.0, head_dropout=0.0, path_dropout=0.0,
+                     positional_dropout=0.0, do_mask_input=False),
+                 _patchtst_batch, lambda m, x, y: m(past_values=x, future_values=y).loss, 0.7),
+    "zamba2": (_hf("Zamba2Config", "Zamba2ForCausalLM", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4,
+                   layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16,
+                   n_mamba_heads=8, num_attention_heads=4, num_key_value_heads=4, attention_head_dim=32,
+                   intermediate_size=128, num_mem_blocks=1, use_shared_attention_adapter=False, use_mem_rope=False,
+                   chunk_size=8, max_position_embeddings=64), _tokens, _lm_loss, 0.6),
 }
 
 
