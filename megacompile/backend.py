@@ -120,6 +120,51 @@ def _unsupported_reason(gm: fx.GraphModule) -> str | None:
     return None
 
 
+# Calls with matmul-class work (many FLOPs per byte read). A graph without gradients and without
+# them (an optimizer step, an EMA of the weights, a weight clamp, a gradient norm) is memory-bound
+# wherever it runs, and runs where its tensors live, on the host: on the device it would first
+# move every byte over the link (and back, for what it writes). A graph with them (an evaluation
+# forward under no_grad) streams through the device like a training forward.
+_CONTRACTIONS = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "mv", "einsum", "tensordot",
+    "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "scaled_dot_product_attention", "multi_head_attention_forward", "lstm", "gru", "rnn_tanh",
+    "rnn_relu", "__matmul__",
+})
+
+
+def _does_contractions(gm: fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        if node.op == "call_module" or (node.op == "call_function"
+                                        and isinstance(node.target, compat.HigherOrderOperator)):
+            return True  # a module Dynamo kept whole, a marked layer's body: assume the layer's work
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op in ("call_function", "call_method") and name in _CONTRACTIONS:
+            return True
+    return False
+
+
+def _outputs_require_grad(gm: fx.GraphModule) -> bool:
+    """Whether an output of the graph requires grad (unknown counts as yes): a graph with grad
+    mode on may open no_grad itself, as an EMA update or a weight clamp after ``opt.step()`` does."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = [n.meta.get("example_value") for n in output.all_input_nodes]
+    return any(v is None or (isinstance(v, torch.Tensor) and v.requires_grad) for v in values)
+
+
+def _runs_on_host(gm: fx.GraphModule, needs_grad: bool, roles: list[str]) -> bool:
+    """Whether a graph runs on the host rather than as a streamed program: one with nothing to
+    differentiate that is an optimizer's step or does no matmul-class work (``_CONTRACTIONS``)
+    on the parameters it reads. Glue of a training step without parameters (``loss.detach()``)
+    keeps its place in the step."""
+    reads_params = "param" in roles
+    if needs_grad and (_outputs_require_grad(gm) or not reads_params):
+        return False
+    if not reads_params or (_looks_like_optimizer(gm) and optimizer_of_graph(gm) is not None):
+        return True
+    return not _does_contractions(gm)
+
+
 def _looks_like_optimizer(gm: fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
@@ -257,7 +302,7 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
     )
-    if not needs_grad:
+    if _runs_on_host(gm, needs_grad, roles):
         return _host_region(gm, example_inputs, opts)
     # The step's own torch.utils.checkpoint regions: the planner decides what to recompute.
     if checkpoints := inline_checkpoint_regions(gm):
@@ -290,9 +335,10 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
             raise _neither_fits(whole, chunked) from None
     if compiled is None:
         return _fallback(gm, example_inputs, opts, unsupported)
-    # Compiled: from here on the optimizer's step() runs on the host without being traced.
-    params = {id(v): v for v, role in zip(example_inputs, roles) if role == "param"}
-    _host_step_record(take_step_out_of_trace(params), opts)
+    if needs_grad:
+        # Compiled: from here on the optimizer's step() runs on the host without being traced.
+        params = {id(v): v for v, role in zip(example_inputs, roles) if role == "param"}
+        _host_step_record(take_step_out_of_trace(params), opts)
     return compiled
 
 

@@ -37,9 +37,9 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _tiny_llama():
+def _tiny_llama(layers: int = 2):
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False, tie_word_embeddings=False,
         attn_implementation="eager")
     torch.manual_seed(0)
@@ -107,6 +107,27 @@ def test_trainer_through_megatrain_matches_plain_trainer(tmp_path, gradient_chec
     assert getattr(optimizer.step, host_step.HOST_STEP_MARK, False)
     assert report.host_graphs == [host_step.host_step_label(optimizer)]
     assert report.host_bytes["optimizer_states"] == 2 * param_bytes + 4 * len(list(model.parameters()))
+
+
+def test_trainer_evaluate_streams_the_model_like_training(tmp_path):
+    """``Trainer.evaluate()`` runs the compiled model under ``torch.no_grad()``: a forward that
+    streams through the device within the budget (not a host computation), with the plain
+    Trainer's eval loss."""
+    model = _tiny_llama(layers=6)
+    reference_model = copy.deepcopy(model)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = param_bytes // 2  # the parameters cannot all be on the device at once
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=BATCH, use_cpu=True,
+                                          report_to=[], disable_tqdm=True, dataloader_num_workers=0)
+    dataset = RandomTokens(2 * BATCH)
+    trainer = hf_trainer.MegatrainTrainer(model, args, {"device": "cpu", "lowering": "eager", "memory_budget": budget},
+                                          eval_dataset=dataset)
+    reference = transformers.Trainer(model=reference_model, args=args, eval_dataset=dataset)
+    got, want = trainer.evaluate()["eval_loss"], reference.evaluate()["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    report = megacompile.last_report()
+    assert [g.endswith("(no backward)") for g in report.graphs] == [True], report.graphs
+    assert report.h2d_bytes >= param_bytes and report.measured_peak_device_bytes <= budget
 
 
 def test_megatrain_trainer_refuses_what_would_put_the_model_elsewhere(tmp_path):

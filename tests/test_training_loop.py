@@ -459,3 +459,62 @@ def test_custom_untraceable_optimizer(opt_cls):
     # Exactly one warning, one line, naming the optimizer that ran eagerly.
     assert len(ours) == 1, ours
     assert "\n" not in ours[0].strip() and opt_cls.__name__ in ours[0] and "eagerly" in ours[0], ours[0]
+
+
+# --- 11. graphs without gradients: an evaluation streams, a weight update stays on the host ---
+def test_evaluation_under_no_grad_streams_through_the_device_within_the_budget():
+    """A compiled model called under ``torch.no_grad()`` (an evaluation loop, a Trainer's
+    ``evaluate()``) is a forward that streams like a training forward, within the budget; it
+    ran on the host before (a CUDA run would have computed the whole model on the CPU)."""
+    model, reference = make_pair()
+    budget = training_state_bytes(model) // 8  # below the parameters' bytes: they must stream
+    assert budget < sum(p.numel() * p.element_size() for p in model.parameters())
+    evaluate = torch.compile(lambda x: model(x), backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", "memory_budget": budget})
+    for x, _ in mlp_batches(2):
+        with torch.no_grad():
+            got = evaluate(x)
+        torch.testing.assert_close(got, reference(x).detach(), rtol=1e-6, atol=1e-7)
+    labels = [c.label for c in megacompile.compiled_graphs(evaluate)]
+    assert labels == [labels[0]] and labels[0].endswith("(no backward)"), labels
+    report = megacompile.last_report()
+    assert report.measured_peak_device_bytes <= budget, (report.measured_peak_device_bytes, budget)
+    assert report.h2d_bytes > 0  # the weights were loaded
+
+
+@pytest.mark.parametrize("update", ["ema", "clamp"])
+def test_weight_updates_after_the_step_run_on_the_host(update):
+    """An EMA of the weights (one ``_foreach_lerp_`` over all of them) or a WGAN weight clamp
+    after ``opt.step()`` in the compiled step: no gradient and no matmul, so it runs on the host
+    tensors in place. As a device graph the EMA needed every weight on the device at once (a
+    ``BudgetError`` at this budget) and the clamp moved every weight there and back."""
+    model, reference = make_pair()
+
+    def make(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        shadow = [p.detach().clone() for p in m.parameters()]
+
+        def step(x, y):
+            loss = mse(m, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                if update == "ema":
+                    torch._foreach_lerp_(shadow, [p.detach() for p in m.parameters()], 0.1)
+                else:
+                    for p in m.parameters():
+                        p.clamp_(-0.05, 0.05)
+            return loss.detach()
+        return step, shadow
+
+    (step, shadow), (eager, ref_shadow) = make(model), make(reference)
+    compiled = compile_step(step, model)
+    for x, y in mlp_batches(3):
+        assert_loss_close(compiled(x, y), eager(x, y))
+    assert_params_close(model, reference)
+    for s, r in zip(shadow, ref_shadow):
+        torch.testing.assert_close(s, r, rtol=0, atol=PARAM_ATOL)
+    labels = [c.label for c in megacompile.compiled_graphs(compiled)]
+    assert not any(label.endswith("(no backward)") for label in labels), labels
+    assert sum(label.startswith("optimizer (host") for label in labels) == 2, labels  # AdamW's and the update
