@@ -28,7 +28,7 @@ from megacompile.core import torch_compat as compat
 from megacompile.core.autocast_lists import autocast_lists_for
 from megacompile.core.collector import cycle_collector_paused
 from megacompile.core.errors import BudgetError, PlacementError, UnsupportedGraph, UnsupportedStepError
-from megacompile.core.node_info import source_to_name
+from megacompile.core.node_info import module_root, qualify_module_stacks, source_to_name
 from megacompile.core.printer import format_graph
 from megacompile.core.units import format_bytes
 from megacompile.optimizer import eager_update_watch
@@ -46,17 +46,23 @@ log = logging.getLogger(__name__)
 
 
 def describe_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[list[str], list[str]]:
-    """The user's names for the graph inputs and whether each is a parameter or an input."""
-    names, roles = [], []
+    """The user's names for the graph inputs and whether each is a parameter or an input.
+
+    Parameters of several roots (``policy`` and ``reference`` passed to the step, a teacher and
+    a student) keep the root in their names and in the graph's module paths (layer names), so
+    that two models of one architecture do not share layer names."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, value in enumerate(example_inputs):
-        source = compat.dynamo_input_source_name(placeholders[i]) if i < len(placeholders) else None
-        fallback = placeholders[i].name if i < len(placeholders) else f"input_{i}"
-        names.append(source_to_name(source) if source else fallback)
-        is_param = isinstance(value, torch.nn.Parameter) or (
-            isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf
-        )
-        roles.append("param" if is_param else "input")
+    sources = [compat.dynamo_input_source_name(placeholders[i]) if i < len(placeholders) else None
+               for i in range(len(example_inputs))]
+    roles = ["param" if isinstance(value, torch.nn.Parameter) or (
+        isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf) else "input"
+        for value in example_inputs]
+    # Frozen weights (a reference model's) count: their layers are planned too.
+    several_roots = len({module_root(src) for src in sources if src} - {None}) > 1
+    if several_roots:
+        qualify_module_stacks(gm)
+    names = [source_to_name(src, keep_root=several_roots) if src else
+             placeholders[i].name if i < len(placeholders) else f"input_{i}" for i, src in enumerate(sources)]
     # Two inputs must never share a name: generated node names derive from them.
     seen: dict[str, int] = {}
     for i, n in enumerate(names):

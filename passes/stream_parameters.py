@@ -10,7 +10,10 @@ the backward the parameters again) this pass inserts
     wait  (right before the first use: the compute lane blocks until the copy has landed)
     evict (right after the last use: the device copy is dead and its slot is reused)
 
-and rewrites the uses to read the device copy. The backward loads parameters again; nothing
+and rewrites the uses to read the device copy. A layer's weight read again by the layer after
+other layers ran (a layer called twice: a siamese pair, a model run on two batches in one
+step) is loaded for each such occurrence and evicted after it, rather than held on the device
+in between. The backward loads parameters again; nothing
 loaded in the forward is still alive when the forward ends, except what the plan made
 resident: those loads (placed by ``resident_parameters``) move to where a streamed load of the
 same value would be issued, get their wait, and cross to the backward. A host cast
@@ -65,6 +68,29 @@ def alias_uses(value: fx.Node) -> list[fx.Node]:
             if is_view_node(user):
                 stack.append(user)
     return found
+
+
+def occurrences(host: fx.Node, users: list[fx.Node], position: dict, runs: list[tuple[str | None, int]]) -> list:
+    """The uses of a host value (in program order) grouped by occurrence: a new group starts at
+    a use by the value's own layer after a run of another layer (the layer runs again). Uses by
+    other layers (a tied embedding's head, rotary tables every layer reads) stay in the group
+    before them, as does a use reached through a view made in it."""
+    layer = info(host).layer
+    groups: list[list[fx.Node]] = []
+    end = -1
+    for user in users:
+        start = position[user]
+        reach = max((position[u] for u in alias_uses(user) if u in position), default=start) \
+            if is_view_node(user) else start
+        apart = layer is not None and info(user).layer == layer and any(
+            end < run_start <= start and run_layer not in (None, layer) for run_layer, run_start in runs)
+        if groups and not apart:
+            groups[-1].append(user)
+            end = max(end, reach)
+        else:
+            groups.append([user])
+            end = reach
+    return groups
 
 
 def _place_resident_loads(gm: fx.GraphModule, position: dict, issue_position) -> None:
@@ -125,35 +151,42 @@ def run(gm: fx.GraphModule, ctx) -> None:
     ]
     for host in host_values:
         users = sorted((u for u in host.users if u in position), key=position.__getitem__)
-        first, last = users[0], users[-1]
-        name = identifier(info(host).source or host.name)
-        depth = ctx.plan.prefetch.get(info(host).source, ctx.options.prefetch_depth)
-        reason = ctx.plan.prefetch_reason.get(info(host).source) or (
-            f"prefetched {depth} layer(s) ahead" if depth else "loaded at first use")
-        with graph.inserting_before(issue_position(host, first)):
-            load = graph.create_node("call_function", ops.load, (host, info(host).source or host.name),
-                                     name=f"load__{name}")
-        if host.op != "placeholder":
-            # A host cast of a parameter runs right before its load (its input is a
-            # placeholder, so it can move up to a prefetched load).
-            load.prepend(host)
-        load.meta["val"] = host.meta.get("val")
-        load.meta["megatrain"] = NodeInfo(
-            layer=info(host).layer, role=Role.MEMORY, phase=info(first).phase, placement=Placement.DEVICE,
-            source=info(host).source,
-            decision="stream", reason=reason,
-        )
-        set_nbytes(load.meta["megatrain"], host.meta.get("val"))
-        with graph.inserting_before(first):
-            wait = graph.create_node("call_function", ops.wait, (load,), name=f"wait__{name}")
-        wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role=Role.MEMORY, phase=info(first).phase,
-                                          placement=Placement.DEVICE, source=info(host).source)
-        for user in users:
-            user.replace_input_with(host, load)
-        # The device copy is dead only when its views are too (``t(weight)`` feeding a
-        # matmul later): evict after the last use of the copy or of any view of it.
-        last = max(alias_uses(load), key=position.__getitem__, default=last)
-        with graph.inserting_after(last):
-            evict = graph.create_node("call_function", ops.evict, (load,), name=f"evict__{name}")
-        evict.meta["megatrain"] = NodeInfo(layer=info(host).layer, role=Role.MEMORY, phase=info(last).phase,
-                                           placement=Placement.DEVICE, source=info(host).source)
+        for k, group in enumerate(occurrences(host, users, position, runs)):
+            _stream(graph, host, group, position, issue_position, ctx, first_occurrence=k == 0)
+
+
+def _stream(graph: fx.Graph, host: fx.Node, users: list[fx.Node], position: dict, issue_position, ctx,
+            first_occurrence: bool) -> None:
+    """One load of ``host`` for ``users`` (one occurrence), its wait and its evict."""
+    first, last = users[0], users[-1]
+    name = identifier(info(host).source or host.name)
+    depth = ctx.plan.prefetch.get(info(host).source, ctx.options.prefetch_depth)
+    reason = ctx.plan.prefetch_reason.get(info(host).source) or (
+        f"prefetched {depth} layer(s) ahead" if depth else "loaded at first use")
+    with graph.inserting_before(issue_position(host, first)):
+        load = graph.create_node("call_function", ops.load, (host, info(host).source or host.name),
+                                 name=f"load__{name}")
+    if host.op != "placeholder" and first_occurrence:
+        # A host cast of a parameter runs right before its (first) load (its input is a
+        # placeholder, so it can move up to a prefetched load).
+        load.prepend(host)
+    load.meta["val"] = host.meta.get("val")
+    load.meta["megatrain"] = NodeInfo(
+        layer=info(host).layer, role=Role.MEMORY, phase=info(first).phase, placement=Placement.DEVICE,
+        source=info(host).source,
+        decision="stream", reason=reason,
+    )
+    set_nbytes(load.meta["megatrain"], host.meta.get("val"))
+    with graph.inserting_before(first):
+        wait = graph.create_node("call_function", ops.wait, (load,), name=f"wait__{name}")
+    wait.meta["megatrain"] = NodeInfo(layer=info(host).layer, role=Role.MEMORY, phase=info(first).phase,
+                                      placement=Placement.DEVICE, source=info(host).source)
+    for user in users:
+        user.replace_input_with(host, load)
+    # The device copy is dead only when its views are too (``t(weight)`` feeding a
+    # matmul later): evict after the last use of the copy or of any view of it.
+    last = max(alias_uses(load), key=position.__getitem__, default=last)
+    with graph.inserting_after(last):
+        evict = graph.create_node("call_function", ops.evict, (load,), name=f"evict__{name}")
+    evict.meta["megatrain"] = NodeInfo(layer=info(host).layer, role=Role.MEMORY, phase=info(last).phase,
+                                       placement=Placement.DEVICE, source=info(host).source)

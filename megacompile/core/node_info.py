@@ -168,20 +168,61 @@ def normalize_module_path(path: str) -> str:
     return path.strip(".")
 
 
-def source_to_name(source: str) -> str:
-    """A Dynamo input source -> the user's name for it.
+def root_name(source: str) -> str | None:
+    """The local or global a Dynamo source or module path starts from: ``L['policy']...`` ->
+    ``policy``, ``L['args'][0]...`` -> ``args.0``; None without one."""
+    m = _ROOT.match(source)
+    if m is None:
+        return None
+    name, _, subscripts = m.group(0)[3:].partition("']")
+    keys = ["".join(key) for key in _SUBSCRIPT.findall(subscripts)]
+    return ".".join([name, *keys])
+
+
+_SUBSCRIPT = re.compile(r"\[(\d+)\]|\['([^']*)'\]")
+
+
+def module_root(source: str) -> str | None:
+    """The root of a source that reaches a module's parameter or buffer, else None."""
+    return root_name(source) if _MODULE_TOKENS.search(source) else None
+
+
+def source_to_name(source: str, keep_root: bool = False) -> str:
+    """A Dynamo input source -> the user's name for it, the path its module stack names too.
 
     ``G['model']._modules['layers']._modules['0']._parameters['weight']`` -> ``layers.0.weight``;
-    ``L['x']`` -> ``x``.
+    ``L['self'].model._modules['fc']._parameters['weight']`` (a module in a plain object's
+    attribute) -> ``model.fc.weight``; ``L['x']`` -> ``x``. ``keep_root``: the root too
+    (``policy.layers.0.weight``), for a graph that reads parameters of several roots.
     """
-    tokens = _MODULE_TOKENS.findall(source)
-    if tokens:
-        return ".".join(tokens)
+    if _MODULE_TOKENS.search(source):
+        m = _ROOT.match(source)
+        rest = _MODULE_TOKENS.sub(lambda t: "." + t.group(1), source[m.end():] if m else source)
+        name = normalize_module_path(rest)
+        root = root_name(source) if keep_root else None
+        return f"{root}.{name}" if root else name
     m = re.fullmatch(r"[LG]\['([^']+)'\](.*)", source)
     if m:
         rest = normalize_module_path(m.group(2))
         return f"{m.group(1)}.{rest}" if rest else m.group(1)
     return re.sub(r"[^0-9A-Za-z_.]", "_", source)
+
+
+def qualify_module_stacks(gm) -> None:
+    """Module paths that keep their root (``L['policy'].model.layers.0`` -> ``policy.model.layers.0``),
+    for a graph that reads the parameters of several roots (a policy and its reference model
+    in DPO, a teacher and a student): without the root their layers would share names."""
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {
+                key: (_qualified(path), kind) for key, (path, kind) in stack.items()}
+
+
+def _qualified(path: str) -> str:
+    root = root_name(path)
+    rest = normalize_module_path(path)
+    return path if root is None else f"{root}.{rest}" if rest else root
 
 
 @functools.lru_cache(maxsize=65536)
