@@ -10,6 +10,7 @@ where MKL's is 1 ulp off for some elements, which bf16 would amplify), the large
     python benchmarks/model_sweep.py                     # every case, fp32 and bf16
     python benchmarks/model_sweep.py --cases mixtral,t5 --precision bf16 --token-chunks 2
     python benchmarks/model_sweep.py --precision bf16 --autocast-in-step   # the step's own autocast region
+    python benchmarks/model_sweep.py --at-minimum        # each at the smallest budget its planner accepts
 
 Parameters can differ by Adam's normalised noise where a true gradient is zero (attention key
 biases), so losses are the comparison; a fallback or an error is what the sweep looks for.
@@ -391,6 +392,12 @@ def run_case(name: str, precision: str, args) -> str:
     make = _step_of(loss_of, args.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False),
                     args.autocast_in_step and precision == "bf16")
     started = time.perf_counter()
+    if args.at_minimum:
+        try:
+            options["memory_budget"] = _smallest_budget(name, make, options)
+        except Exception as e:  # noqa: BLE001
+            return f"{name:14s} {precision:5s} ERROR finding the smallest budget: {type(e).__name__}: " \
+                   f"{str(e).splitlines()[0][:300]}"
     g = torch.Generator().manual_seed(1)
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -413,9 +420,32 @@ def run_case(name: str, precision: str, args) -> str:
     params = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
     report = megacompile.last_report()
     fallbacks = sorted({str(w.message)[:160] for w in caught if "megatrain" in str(w.message)})
+    at = ""
+    if args.at_minimum:
+        over = report.measured_peak_device_bytes > options["memory_budget"]
+        at = f"  at {options['memory_budget']} B, peak {report.measured_peak_device_bytes} B{' OVER' if over else ''}"
     return (f"{name:14s} {precision:5s} loss {worst:8.1e}  params {params:8.1e}  "
-            f"{time.perf_counter() - started:5.1f} s  plan: {report.policy if report else '-'}"
+            f"{time.perf_counter() - started:5.1f} s{at}  plan: {report.policy if report else '-'}"
             + (f"  WARNING {fallbacks}" if fallbacks else ""))
+
+
+def _smallest_budget(name: str, make, options: dict) -> int:
+    """The smallest budget the planner accepts for the case's step, from ``BudgetError.minimum_budget``
+    (a step of several graphs may need a few tries: each graph states its own minimum)."""
+    build, batch_of, _, _ = CASES[name]
+    budget = 1
+    for _ in range(6):
+        torch.manual_seed(0)
+        probe = build().train()
+        try:
+            torch.compile(make(probe), backend="megatrain", options={**options, "memory_budget": budget})(
+                *batch_of(torch.Generator().manual_seed(1)))
+            return budget
+        except megacompile.BudgetError as e:
+            budget = max(budget + 1, e.minimum_budget)
+        finally:
+            torch._dynamo.reset()
+    raise RuntimeError(f"no budget found in 6 tries (last {budget})")
 
 
 def _eager_fails_too(name: str, precision: str) -> str:
@@ -441,6 +471,8 @@ def main() -> None:
     p.add_argument("--autocast-in-step", action="store_true",
                    help="bf16: the step opens its own torch.autocast region (Dynamo traces the model under it)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--at-minimum", action="store_true",
+                   help="train at the smallest budget the planner accepts (from BudgetError), not at the case's fraction")
     args = p.parse_args()
     print(f"# {' '.join(sys.argv)}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  "
