@@ -27,7 +27,13 @@ from megacompile.capture.training_compiler import TrainingCompiler, lower_with
 from megacompile.core import torch_compat as compat
 from megacompile.core.autocast_lists import autocast_lists_for
 from megacompile.core.collector import cycle_collector_paused
-from megacompile.core.errors import BudgetError, PlacementError, UnsupportedGraph, UnsupportedStepError
+from megacompile.core.errors import (
+    BudgetError,
+    MegacompileError,
+    PlacementError,
+    UnsupportedGraph,
+    UnsupportedStepError,
+)
 from megacompile.core.node_info import module_root, qualify_module_stacks, source_to_name
 from megacompile.core.printer import format_graph
 from megacompile.core.units import format_bytes
@@ -339,6 +345,13 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
                 opts, token_chunks=chunk_tokens.PLANNER_CHOOSES), names, roles)
         except BudgetError as chunked:
             raise _neither_fits(whole, chunked) from None
+        except MegacompileError:
+            raise
+        except Exception as failed:  # noqa: BLE001  (chunking is a second try: its failure leaves the first's answer)
+            warnings.warn(f"megatrain: chunking this graph's per-token runs failed ({type(failed).__name__}: "
+                          f"{str(failed).splitlines()[0][:200]}); the budget error below is without chunks",
+                          stacklevel=2)
+            raise whole from None
     if compiled is None:
         return _fallback(gm, example_inputs, opts, unsupported)
     if needs_grad:

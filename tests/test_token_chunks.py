@@ -156,6 +156,36 @@ def test_frozen_weights_in_a_chunked_run():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
 
 
+class _ScaledMixerBlock(_Block):
+    """A run (norm, projection) scaled by a ``(1, 1, C)`` multiplier (Falcon-H1's muP vector)
+    before an op that mixes tokens: inside the chunk, which sees the tokens as rows ``(n, C)``,
+    broadcasting gives the run's output a leading 1, ``(1, n, C)``."""
+
+    def __init__(self, dim, hidden):
+        super().__init__(dim, hidden)
+        self.register_buffer("multiplier", 1 + 0.1 * torch.randn(1, 1, hidden))
+
+    def forward(self, x):
+        h = self.up(self.norm1(x)) * self.multiplier
+        h = torch.cumsum(h, dim=1) * 0.1
+        return x + self.down(F.silu(h))
+
+
+def test_a_run_output_with_a_leading_one_gets_its_gradient_in_its_shape():
+    """The chunked backward gave such an output its gradient in rows ``(n, C)``: autograd refused
+    ("Mismatch in shape") and the step failed to compile (Falcon-H1 under a tight budget, where
+    "auto" chunks)."""
+    torch.manual_seed(0)
+    model = _Model()
+    model.layers = nn.ModuleList(_ScaledMixerBlock(32, 128) for _ in range(2))
+    pairs, reference = _train(model, {"token_chunks": 2}, _batches())
+    assert _chunked_nodes()[1]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
 def _check_hand_written_runs(decoder):
     """Before attention: the norm and the qkv projection; after it: the output projection, the
     residual add, the norm, the gated MLP and the last residual add. Attention stays outside."""
@@ -234,3 +264,28 @@ def test_token_chunks_option_is_checked():
         with pytest.raises(OptionsError, match="token_chunks"):
             parse_options({"device": "cpu", "token_chunks": bad})
     assert parse_options({"device": "cpu", "token_chunks": 8}).token_chunks == 8
+
+
+def test_a_failure_to_chunk_leaves_the_unchunked_budget_error(monkeypatch):
+    """Chunking is the backend's second try where nothing fits whole: if it fails for a reason of
+    its own, the user gets the first try's ``BudgetError`` and a warning naming the failure,
+    not an internal error."""
+    import megacompile.backend as backend
+
+    whole = backend._compile_training
+    tries = []
+
+    def failing_when_chunked(gm, example_inputs, opts, names, roles):
+        tries.append(opts.token_chunks)
+        if len(tries) > 1:
+            raise RuntimeError("chunk trace failed")
+        return whole(gm, example_inputs, opts, names, roles)
+
+    monkeypatch.setattr(backend, "_compile_training", failing_when_chunked)
+    torch.manual_seed(0)
+    model = _Model()
+    with pytest.warns(UserWarning, match="chunking this graph's per-token runs failed .RuntimeError: chunk trace"):
+        with pytest.raises(BudgetError) as excinfo:
+            torch.compile(_step_of(model), backend="megatrain",
+                          options={"device": "cpu", "lowering": "eager", "memory_budget": 1024})(*_batches(1)[0])
+    assert len(tries) == 2 and excinfo.value.minimum_budget > 1024

@@ -137,7 +137,9 @@ def _backward_fn(body: ChunkBody, needs: tuple):
         inputs = [t.detach().requires_grad_(need) for t, need in zip(list(tokens) + list(shared), needs)]
         with torch.enable_grad(), _autocast(body):
             outs = body.graph(*inputs)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        # A shared operand shaped (1, 1, C) (Falcon-H1's muP vector) broadcasts a run's output on
+        # rows to (1, n, C): its gradient, given in rows, takes the output's shape.
+        pairs = [(o, g.reshape(o.shape)) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         wanted = [t for t in inputs if t.requires_grad]
         got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) \
             if pairs and wanted else [None] * len(wanted)
@@ -236,7 +238,7 @@ def token_chunked(body: str, chunks: int, tokens: list[torch.Tensor], shared: li
         if outs is None:
             outs = [workspace.tracked(torch.empty((n, o.shape[-1]), dtype=o.dtype, device=o.device)) for o in got]
         for out, o in zip(outs, got):
-            out[start:end] = o
+            out[start:end] = _rows(o)
         del got
     return [o.view(*lead, o.shape[-1]) for o, lead in zip(outs, run.out_lead)]
 
