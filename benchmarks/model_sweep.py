@@ -429,12 +429,16 @@ def run_case(name: str, precision: str, args) -> str:
             + (f"  WARNING {fallbacks}" if fallbacks else ""))
 
 
+TRIES = 12
+
+
 def _smallest_budget(name: str, make, options: dict) -> int:
     """The smallest budget the planner accepts for the case's step, from ``BudgetError.minimum_budget``
-    (a step of several graphs may need a few tries: each graph states its own minimum)."""
+    (a step of several graphs may need a few tries: each graph states its own minimum; DBRX's one
+    graph needed 4: its stated minimum did not fit, a miss of ``BudgetError.minimum_budget``)."""
     build, batch_of, _, _ = CASES[name]
     budget = 1
-    for _ in range(6):
+    for _ in range(TRIES):
         torch.manual_seed(0)
         probe = build().train()
         try:
@@ -445,7 +449,7 @@ def _smallest_budget(name: str, make, options: dict) -> int:
             budget = max(budget + 1, e.minimum_budget)
         finally:
             torch._dynamo.reset()
-    raise RuntimeError(f"no budget found in 6 tries (last {budget})")
+    raise RuntimeError(f"no budget found in {TRIES} tries (last {budget})")
 
 
 def _eager_fails_too(name: str, precision: str) -> str:
