@@ -140,6 +140,15 @@ def test_fp32_parity_with_runs_chunked(name):
         _check_hand_written_runs(decoder)
 
 
+def _trains_like_eager_in_two_chunks(model):
+    pairs, reference = _train(model, {"token_chunks": 2}, _batches())
+    assert _chunked_nodes()[1]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
 def test_frozen_weights_in_a_chunked_run():
     """Frozen weights (a LoRA-style fine-tune: the base model frozen, only the norms train) leave
     several of a chunked run's gradients unneeded; each is its own empty tensor, since a custom
@@ -148,12 +157,7 @@ def test_frozen_weights_in_a_chunked_run():
     model = _Model()
     for name, p in model.named_parameters():
         p.requires_grad_("norm" in name)
-    pairs, reference = _train(model, {"token_chunks": 2}, _batches())
-    assert _chunked_nodes()[1]
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    _trains_like_eager_in_two_chunks(model)
 
 
 class _ScaledMixerBlock(_Block):
@@ -178,12 +182,7 @@ def test_a_run_output_with_a_leading_one_gets_its_gradient_in_its_shape():
     torch.manual_seed(0)
     model = _Model()
     model.layers = nn.ModuleList(_ScaledMixerBlock(32, 128) for _ in range(2))
-    pairs, reference = _train(model, {"token_chunks": 2}, _batches())
-    assert _chunked_nodes()[1]
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    _trains_like_eager_in_two_chunks(model)
 
 
 def _check_hand_written_runs(decoder):
