@@ -355,7 +355,7 @@ def test_frozen_sparse_embedding_has_no_gradient_and_trains():
     compiled = _compiled(make_training_step(model, F.mse_loss)[0])
     eager = make_training_step(reference, F.mse_loss)[0]
     for idx, y in _lookup_batches():
-        torch.testing.assert_close(compiled(idx, y), eager(idx, y), rtol=1e-6, atol=0)
+        torch.testing.assert_close(compiled(idx, y), eager(idx, y), rtol=1e-5, atol=0)
 
 
 # --- a graph the passes cannot rewrite -----------------------------------------------------

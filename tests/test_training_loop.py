@@ -474,7 +474,7 @@ def test_evaluation_under_no_grad_streams_through_the_device_within_the_budget()
     for x, _ in mlp_batches(2):
         with torch.no_grad():
             got = evaluate(x)
-        torch.testing.assert_close(got, reference(x).detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got, reference(x).detach(), rtol=1e-5, atol=1e-6)
     labels = [c.label for c in megacompile.compiled_graphs(evaluate)]
     assert labels == [labels[0]] and labels[0].endswith("(no backward)"), labels
     report = megacompile.last_report()
