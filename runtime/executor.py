@@ -63,6 +63,7 @@ from megacompile.runtime.placement import (
     retarget_factories,
     substitute_host_kernels,
 )
+from megacompile.runtime.segment_cache import memory_order, varying_sizes
 
 _aten = torch.ops.aten
 # Ops Inductor lowers to an extern call of the vendor library (BLAS / cuBLAS, oneDNN /
@@ -472,13 +473,18 @@ class StreamingProgram:
         return Segment(name=f"segment[{seg_nodes[0].name}..{seg_nodes[-1].name}]",
                        layer=",".join(layers) if layers else None,
                        outs=[slot_of(o) for o in outputs], inputs=[slot_of(i) for i in inputs],
-                       gm=fx.GraphModule(self.gm, graph), arity=arity if any(a is not None for a in arity) else None)
+                       gm=fx.GraphModule(self.gm, graph), arity=arity if any(a is not None for a in arity) else None,
+                       varying=varying_sizes(inputs))
 
-    def _compile(self, gm: fx.GraphModule, inputs: list) -> Callable:
+    def _compile(self, gm: fx.GraphModule, inputs: list, varying: list | None = None) -> Callable:
         # Compile outside whatever dispatch state the caller (an autograd.Function, the
         # autograd engine) runs us in: Inductor re-traces the segment with its own modes.
         examples = [t.detach() if isinstance(t, torch.Tensor) else t for t in inputs]
         with no_dispatch_modes(), torch.enable_grad():
+            if varying is not None:  # dynamic shapes: compiled for any size there
+                orders = [memory_order(t) if isinstance(t, torch.Tensor) and keys is not None else None
+                          for t, keys in zip(examples, varying)]
+                examples = compat.symbolic_examples(examples, varying, orders)
             return self.compile_segment(gm, examples)
 
     # --- running --------------------------------------------------------------------------

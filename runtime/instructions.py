@@ -29,6 +29,7 @@ import torch.fx as fx
 from megacompile.runtime.device import StreamingDevice
 from megacompile.runtime.gradient_sink import GradientSink
 from megacompile.runtime.host_arena import ArenaLease, LandingBuffers
+from megacompile.runtime.segment_cache import size_class
 
 
 class Slot:
@@ -71,7 +72,7 @@ class Call:
     track: bool
     # Loads and offloads share host memory instead of copying (StreamingProgram.share_host_memory).
     share: bool
-    compile: Callable[[fx.GraphModule, list], Callable]
+    compile: Callable[..., Callable]  # (segment, inputs, varying sizes or None) -> compiled
     # Where this call's offloaded activations go (runtime/host_arena.py); None: each its own.
     arena: ArenaLease | None = None
     # A backward: where its returned gradients land (runtime/host_arena.LandingBuffers); None:
@@ -152,6 +153,10 @@ class Segment(Instruction):
     # Flat outputs per slot where a multi-output op leaves the segment (None: one each).
     arity: list | None = None
     compiled: Callable | None = None  # set on the first call
+    # Dynamic shapes: which of the inputs' sizes vary between calls (``symbolic_examples``);
+    # None: none do, one compiled callable serves every call.
+    varying: list | None = None
+    by_size_class: dict = dataclasses.field(default_factory=dict)  # ``size_class`` -> compiled
 
     def reads(self) -> list[int]:
         return list(self.inputs)
@@ -162,9 +167,18 @@ class Segment(Instruction):
     def run(self, call: Call) -> None:
         env = call.env
         inputs = [env[s] for s in self.inputs]
-        if self.compiled is None:
-            self.compiled = call.compile(self.gm, inputs)
-        outs = self.compiled(*inputs)
+        if self.varying is None:
+            if self.compiled is None:
+                self.compiled = call.compile(self.gm, inputs)
+            outs = self.compiled(*inputs)
+        else:
+            # Compiled once per size class: any size where the program's is symbolic, except
+            # 0 and 1, which Inductor specialises.
+            key = size_class(inputs, self.varying)
+            compiled = self.by_size_class.get(key)
+            if compiled is None:
+                compiled = self.by_size_class[key] = call.compile(self.gm, inputs, self.varying)
+            outs = compiled(*inputs)
         if self.arity is not None:
             outs = _regroup(outs, self.arity)
         for s, v in zip(self.outs, outs):

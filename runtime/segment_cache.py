@@ -52,17 +52,76 @@ def segment_structure(gm: fx.GraphModule) -> tuple:
 
 
 def input_signature(inputs) -> tuple:
-    """What a compiled segment assumes about its inputs (tensors by metadata, never values)."""
+    """What a compiled segment assumes about its inputs (tensors by metadata, never values;
+    a symbolic size by its expression)."""
     sig = []
     for t in inputs:
         if isinstance(t, torch.Tensor):
-            sig.append(("tensor", tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, t.device.index,
-                        t.requires_grad))
+            sig.append(("tensor", tuple(map(_size_key, t.shape)), tuple(map(_size_key, t.stride())), t.dtype,
+                        t.device.type, t.device.index, t.requires_grad))
+        elif isinstance(t, torch.SymInt):
+            sig.append(("SymInt", str(t)))
         elif isinstance(t, (tuple, list)):
             sig.append((type(t).__name__, input_signature(t)))
         else:
             sig.append((type(t).__name__, repr(t)))
     return tuple(sig)
+
+
+def _size_key(size) -> int | str:
+    return size if isinstance(size, int) else str(size)
+
+
+# --- dynamic shapes ----------------------------------------------------------------------
+# Under dynamic shapes a segment's inputs change size between calls. A segment compiled for
+# the first call's sizes would reject the next; compiled with those sizes as symbols
+# (``torch_compat.symbolic_examples``) it runs at any, so it is compiled once per size class.
+def varying_sizes(inputs: list[fx.Node]) -> list | None:
+    """For a segment reading ``inputs`` (nodes of a traced program): per input, which of its
+    sizes are symbolic there (``symbolic_examples``' ``varying``), or None if none is."""
+    def key(size):
+        return str(size.node.expr) if isinstance(size, torch.SymInt) and size.node.expr.free_symbols else None
+
+    varying, any_symbolic = [], False
+    for node in inputs:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            keys = tuple(key(d) for d in val.shape)
+            entry = keys if any(k is not None for k in keys) else None
+        else:
+            entry = key(val) if isinstance(val, torch.SymInt) else None
+        varying.append(entry)
+        any_symbolic = any_symbolic or entry is not None
+    return varying if any_symbolic else None
+
+
+def size_class(inputs: list, varying: list) -> tuple:
+    """What one compiled segment serves: the inputs' sizes with each varying size >= 2 as -1,
+    and each varying tensor's memory order (its strides follow from its sizes), or its exact
+    sizes and strides where it is not dense (a slice: compiled for those alone)."""
+    out = []
+    for x, keys in zip(inputs, varying):
+        if keys is None:
+            continue
+        if isinstance(x, torch.Tensor):
+            order = memory_order(x)
+            out.append((tuple(-1 if k is not None and n >= 2 else n for k, n in zip(keys, x.shape)), order)
+                       if order is not None else (tuple(x.shape), x.stride()))
+        else:
+            out.append(x if x < 2 else -1)
+    return tuple(out)
+
+
+def memory_order(x: torch.Tensor) -> tuple | None:
+    """``x``'s dims from the innermost out, where its strides are the products of its sizes in
+    that order (a dense layout, contiguous or permuted); None otherwise."""
+    order = sorted(range(x.dim()), key=lambda d: (x.stride(d), x.shape[d]))
+    expected = 1
+    for d in order:
+        if x.shape[d] != 1 and x.stride(d) != expected:
+            return None
+        expected *= x.shape[d]
+    return tuple(order)
 
 
 @dataclasses.dataclass

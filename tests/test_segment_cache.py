@@ -148,3 +148,41 @@ def test_a_segment_inductor_lays_out_otherwise_still_compiles():
     compiled = compat.inductor_compile_segment(make_fx(attention_keys)(empty, keys), [empty, keys])
     got = compiled(empty, keys)  # as runtime/instructions.py calls a segment
     torch.testing.assert_close(got[0] if isinstance(got, (list, tuple)) else got, want, rtol=0, atol=0)
+
+
+def test_dynamic_shapes_compile_each_segment_once_for_any_size():
+    """Under dynamic shapes a segment compiled for the first call's sizes rejected the next
+    (Inductor's size assert: "expected size 9==16"). A segment whose inputs have symbolic sizes
+    in the program is compiled with symbols there: new sizes reuse it (sizes 0 and 1, which
+    Inductor specialises, are a class of their own), and training equals eager at each size."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    reference = copy.deepcopy(model)
+
+    def make_step(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def step(x):
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    step = torch.compile(make_step(model), backend="megatrain", dynamic=True,
+                         options={"device": "cpu", "lowering": "inductor"})
+    eager = make_step(reference)
+    gen = torch.Generator().manual_seed(1)
+
+    def compiled_segments() -> int:
+        return sum(r.segment_stats.compiled for r in megacompile.compiled_graphs(step) if r.segment_stats)
+
+    for i, rows in enumerate((16, 9, 23, 40)):
+        x = torch.randn(rows, 32, generator=gen)
+        torch.testing.assert_close(step(x), eager(x), rtol=1e-5, atol=0)
+        if i == 0:
+            after_first = compiled_segments()
+    assert compiled_segments() == after_first > 0
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)

@@ -18,6 +18,7 @@ import torch.optim.optimizer as optim_module
 from torch._dynamo import list_backends, register_backend
 from torch._dynamo.exc import BackendCompilerFailed, ShortenTraceback  # noqa: F401
 from torch._dynamo.resume_execution import ContinueExecutionCache
+from torch._dynamo.source import ConstantSource
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
@@ -257,6 +258,49 @@ def inductor_compile_segment(gm: fx.GraphModule, example_inputs: Sequence[Any]) 
             node.target = layout_tolerant_target(node)
     gm.recompile()
     return inductor_compile(gm, example_inputs)
+
+
+def symbolic_examples(inputs: Sequence[Any], varying: Sequence[Any], orders: Sequence[Any]) -> list:
+    """Example inputs for Inductor like ``inputs`` where the sizes ``varying`` names are symbols,
+    so that the kernels it compiles take any value there (dynamic shapes).
+
+    ``varying[i]``: for a tensor, one entry per dim, None where the size is fixed and otherwise
+    a key (equal keys: one symbol, as in the traced program); for an int, a key or None. A size
+    of 0 or 1 stays a constant (Inductor specialises those). ``orders[i]``: a dense tensor's
+    dims from the innermost out (its strides are products of the sizes in that order); None:
+    the tensor is taken as it is, sizes and strides fixed.
+    """
+    shape_env = sym.ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    symbols: dict[Any, Any] = {}
+
+    def size(key: Any, value: int) -> Any:
+        if key is None or value < 2:
+            return value
+        if key not in symbols:
+            source = ConstantSource(f"segment_size{len(symbols)}")
+            expr = shape_env.create_symbol(value, source, dynamic_dim=sym.DimDynamic.DYNAMIC)
+            symbols[key] = shape_env.create_symintnode(expr, hint=value, source=source)
+        return symbols[key]
+
+    out = []
+    for x, keys, order in zip(inputs, varying, orders):
+        if isinstance(x, torch.Tensor) and (keys is None or order is None):
+            out.append(mode.from_tensor(x, static_shapes=True))
+        elif isinstance(x, torch.Tensor):
+            sizes = [size(k, v) for k, v in zip(keys, x.shape)]
+            strides: list[Any] = [0] * x.dim()
+            written: Any = 1
+            for d in order:
+                strides[d] = written
+                written = written * sizes[d]
+            with mode:
+                out.append(torch.empty_strided(sizes, strides, dtype=x.dtype, device=x.device))
+        elif isinstance(x, int) and not isinstance(x, bool):
+            out.append(size(keys, x))
+        else:
+            out.append(x)
+    return out
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
