@@ -47,6 +47,11 @@ class Options:
     lowering: str = "inductor"
     # How many layers ahead parameters are loaded (1 = double buffering).
     prefetch_depth: int = 1
+    # How many times one compiled graph may run before its backward: micro-batches whose
+    # losses are summed before one backward(), a Python loop around a graph break (a mixture
+    # of experts' code per expert). Each call holds what its backward reads until then, so each
+    # graph is planned to fit this many calls' held bytes beside one call's peak.
+    calls_before_backward: int = 1
     # "auto": the planner decides keep / offload / recompute per layer, only when saved
     # activations do not fit; "never": keep or offload only; "always": recompute every layer.
     recompute: str = "auto"
@@ -194,6 +199,12 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise OptionsError(f"option prefetch_depth={depth!r} must be an int >= 0 (1 = double buffering)")
         kw["prefetch_depth"] = depth
+    if "calls_before_backward" in raw:
+        calls = raw["calls_before_backward"]
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+            raise OptionsError(f"option calls_before_backward={calls!r} must be an int >= 1 (how many times a "
+                               f"compiled graph runs before its backward)")
+        kw["calls_before_backward"] = calls
     if "recompute" in raw:
         kw["recompute"] = _choice("recompute", raw["recompute"], RECOMPUTE_POLICIES)
     if "solver" in raw:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import threading
 import weakref
 from typing import Any
 
 import torch
 
+from megacompile.core.errors import BudgetError
 from megacompile.core.units import format_bytes
 
 
@@ -158,14 +160,24 @@ class StepReport:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One run of a compiled forward whose backward the step still waits for."""
+
+    graph: Any  # capture.records.CompiledGraph
+    outputs: list | None = None  # weak references to what the forward returned
+
+
 class StepRecorder:
     """Collects one step's plan and measurements across the graphs that make up the step.
 
     A step starts when a compiled forward starts while no earlier forward waits for its
-    backward; a forward that starts while one does (Dynamo split the step at a graph break:
-    the model in one graph, its loss in the next) joins that step. Such a graph runs on top of
-    what the earlier ones left on the device until their backward (``device_bytes_held``),
-    and the report describes every graph of the step.
+    backward; a forward that starts while one does joins that step: Dynamo split the step at
+    a graph break (the model in one graph, its loss in the next), or one graph runs several
+    times before the backward (a Python loop around a graph break: a mixture of experts' code
+    per expert; several micro-batches' losses summed). Each call runs on top of what the
+    step's earlier calls leave on the device until their backward (``device_bytes_held``), and
+    one that would not fit the budget there raises ``BudgetError`` before it runs.
     """
 
     def __init__(self) -> None:
@@ -177,43 +189,68 @@ class StepRecorder:
         self._host_heap: dict | None = None
         self._host_lead: dict | None = None
 
-    def forward_returned(self, compiled, outputs) -> None:
+    @staticmethod
+    def _last_call(cur: dict, compiled) -> _Call | None:
+        return next((c for c in reversed(cur["awaiting_backward"]) if c.graph is compiled), None)
+
+    def forward_returned(self, compiled, outputs, input_ids: set) -> None:
         """Watches what ``compiled``'s forward returned (its saved activations among them): once
-        all of it is gone, no backward can come (the loss was dropped without one)."""
-        refs = [weakref.ref(t) for t in outputs if isinstance(t, torch.Tensor)]
+        all of it is gone, no backward can come (the loss was dropped without one). Inputs it
+        returns (a batch saved for the backward) live on with the caller: not watched."""
+        refs = [weakref.ref(t) for t in outputs if isinstance(t, torch.Tensor) and id(t) not in input_ids]
         with self._lock:
-            if self._current is not None and refs:
-                self._current.setdefault("outputs", {})[id(compiled)] = refs  # (records are unhashable)
+            call = self._last_call(self._current, compiled) if self._current is not None else None
+            if call is not None and refs:
+                call.outputs = refs
 
-    def _drop_abandoned(self, cur: dict) -> None:
-        outputs = cur.get("outputs", {})
-        for c in list(cur["awaiting_backward"]):
-            refs = outputs.get(id(c))
-            if refs and all(r() is None for r in refs):
-                cur["awaiting_backward"].remove(c)
+    @staticmethod
+    def _drop_abandoned(cur: dict, collect: bool = False) -> None:
+        """Forgets the calls whose outputs are all gone; ``collect``: first frees what only
+        reference cycles keep (a failed step's traceback holds its frames' losses), which is
+        worth its time where a decision rests on it, not on every call."""
+        if collect and cur["awaiting_backward"]:
+            gc.collect()
+        cur["awaiting_backward"] = [c for c in cur["awaiting_backward"]
+                                    if not (c.outputs and all(r() is None for r in c.outputs))]
 
-    def forward_started(self, compiled, device) -> None:
+    def forward_started(self, compiled, device, peak_bytes: int | None = None) -> None:
+        """``compiled``'s forward starts; ``peak_bytes``: its plan's peak at this call's sizes
+        (None: as planned)."""
         with self._lock:
             cur = self._current
             if cur is not None:
                 self._drop_abandoned(cur)
-            # A graph that starts again while its own backward is awaited left a forward
-            # without backward behind (an error, a loss never backpropagated): a new step.
-            if (cur is not None and cur["device"] is device and cur["awaiting_backward"]
-                    and compiled not in cur["awaiting_backward"]):
+            if cur is not None and cur["device"] is device and cur["awaiting_backward"]:
+                if not _fits_beside(compiled, self._held(cur), peak_bytes):
+                    self._drop_abandoned(cur, collect=True)
+                held = self._held(cur)
+                try:
+                    need = _check_fits_beside(compiled, held, peak_bytes, cur["awaiting_backward"])
+                except BudgetError:
+                    cur["awaiting_backward"].clear()  # the step ends here: nothing will backpropagate
+                    raise
                 if compiled not in cur["graphs"]:
                     cur["graphs"].append(compiled)
-                    cur["held_at_start"].append(self._held(cur))
+                    cur["held_at_start"].append(held)
+                    cur["peaks"].append(held + need)
+                    cur["calls"].append(1)
+                else:
+                    i = cur["graphs"].index(compiled)
+                    cur["held_at_start"][i] = max(cur["held_at_start"][i], held)
+                    cur["peaks"][i] = max(cur["peaks"][i], held + need)
+                    cur["calls"][i] += 1
                 if compiled.backward is not None:
-                    cur["awaiting_backward"].append(compiled)
+                    cur["awaiting_backward"].append(_Call(compiled))
                 self._update()
                 return
             device.synchronize()
             device.reset_stats()
             device.tracker.reset_peak()
             device.host_staging.reset_peak()
-            self._current = {"graphs": [compiled], "held_at_start": [0], "device": device,
-                             "awaiting_backward": [compiled] if compiled.backward is not None else [],
+            need = _planned_peak(compiled, peak_bytes)
+            self._current = {"graphs": [compiled], "held_at_start": [0], "peaks": [need], "calls": [1],
+                             "device": device,
+                             "awaiting_backward": [_Call(compiled)] if compiled.backward is not None else [],
                              "host_graphs": [], "optimizer": None, "overlap": None,
                              "data_parallel": None}
             self._update()
@@ -224,14 +261,17 @@ class StepRecorder:
         with self._lock:
             cur = self._current
             if cur is not None:
-                if (backward or failed) and compiled in cur["awaiting_backward"]:
-                    cur["awaiting_backward"].remove(compiled)
+                if failed:  # the step fails with it: no backward of its earlier calls will come
+                    cur["awaiting_backward"].clear()
+                call = self._last_call(cur, compiled) if backward else None
+                if call is not None:
+                    cur["awaiting_backward"].remove(call)
                 self._update()
 
     @staticmethod
     def _held(cur: dict) -> int:
-        return sum(c.plan.forward.end_bytes for c in cur["awaiting_backward"]
-                   if c.plan is not None and c.plan.forward is not None)
+        return sum(c.graph.plan.forward.end_bytes for c in cur["awaiting_backward"]
+                   if c.graph.plan is not None and c.graph.plan.forward is not None)
 
     def device_bytes_held(self, device) -> tuple[int, list[str]]:
         """What the graphs of the running step that still wait for their backward leave on
@@ -240,10 +280,10 @@ class StepRecorder:
         with self._lock:
             cur = self._current
             if cur is not None:
-                self._drop_abandoned(cur)
+                self._drop_abandoned(cur, collect=True)  # (planning is rare and slow anyway)
             if cur is None or cur["device"] is not device or not cur["awaiting_backward"]:
                 return 0, []
-            return self._held(cur), [c.label for c in cur["awaiting_backward"]]
+            return self._held(cur), _holders(cur["awaiting_backward"])
 
     def optimizer_seen(self, optimizer) -> None:
         """The optimizer this step's parameters belong to (its state counts as host memory)."""
@@ -292,7 +332,8 @@ class StepRecorder:
         stats = copy.copy(device.stats)  # the counters as of now (later glue graphs add to them)
         stats.h2d_by_layer, stats.d2h_by_layer = dict(stats.h2d_by_layer), dict(stats.d2h_by_layer)
         overlapped = dataclasses.asdict(cur["overlap"]) if cur["overlap"] is not None else None
-        self._pending = dict(graphs=list(graphs), held_at_start=list(cur["held_at_start"]), stats=stats,
+        self._pending = dict(graphs=list(graphs), held_at_start=list(cur["held_at_start"]), calls=list(cur["calls"]),
+                             peaks=list(cur["peaks"]), stats=stats,
                              measured=measured, reserved=reserved, host_graphs=list(cur["host_graphs"]),
                              optimizer=cur["optimizer"],
                              staging_peak=device.host_staging.peak_since_reset(), overlap=overlapped,
@@ -317,6 +358,60 @@ class StepRecorder:
                 self._last.host_heap = self._host_heap
                 self._last.host_lead = self._host_lead
             return self._last
+
+
+def _holders(calls: list[_Call]) -> list[str]:
+    """The labels of the graphs ``calls`` ran, each once, with how many of its calls wait."""
+    counts: dict[str, int] = {}
+    for c in calls:
+        counts[c.graph.label] = counts.get(c.graph.label, 0) + 1
+    return [label if n == 1 else f"{label} ({n} calls)" for label, n in counts.items()]
+
+
+def _planned_peak(compiled, peak_bytes: int | None) -> int:
+    """``compiled``'s planned peak at this call's sizes (``peak_bytes``; None: as planned)."""
+    if peak_bytes is not None:
+        return peak_bytes
+    return compiled.plan.call_peak_bytes if compiled.plan is not None else 0
+
+
+def _fits_beside(compiled, held: int, peak_bytes: int | None) -> bool:
+    """Whether ``compiled``'s plan at this call fits the budget on top of ``held``."""
+    budget, plan = compiled.options.memory_budget, compiled.plan
+    # What the plan was made to fit (at least the budget: a plan may round up to it), its own
+    # further calls (calls_before_backward) included.
+    return (budget is None or plan is None
+            or held + _planned_peak(compiled, peak_bytes) <= max(budget, compiled.planned_on_top_of + plan.peak_bytes))
+
+
+def _check_fits_beside(compiled, held: int, peak_bytes: int | None, awaiting: list[_Call]) -> int:
+    """``compiled``'s planned peak at this call; raises ``BudgetError`` before it runs where that
+    on top of what the step's earlier calls hold exceeds the budget: its plan assumed less held
+    beside it (it runs again before its backward, or an earlier forward is alive without one)."""
+    need = _planned_peak(compiled, peak_bytes)
+    if _fits_beside(compiled, held, peak_bytes):
+        return need
+    budget, plan = compiled.options.memory_budget, compiled.plan
+    again = sum(c.graph is compiled for c in awaiting)
+    if again:
+        why = (f"{compiled.label} runs again (call {again + 1} of this step) before the backward of its earlier "
+               f"calls. Micro-batches: call backward() on each loss before the next forward (the gradients "
+               f"accumulate the same). A Python loop around a graph break, such as a mixture of experts' code per "
+               f"expert after a data-dependent op (nonzero, where): remove the break (torch._dynamo.config."
+               f"capture_dynamic_output_shape_ops = True captures such ops in the graph, and the planner then sees "
+               f"the whole loop). Or plan each graph for its calls: options calls_before_backward="
+               f"{max(again + 1, compiled.options.calls_before_backward + 1)} or more (as many as run before the "
+               f"backward)")
+    else:
+        why = (f"an earlier forward of {', '.join(_holders(awaiting))} is still alive without its backward. Call "
+               f"backward() first, run forwards that need none under torch.no_grad(), or drop their outputs "
+               f"(del loss)")
+    raise BudgetError(
+        f"megatrain: {compiled.label} needs {format_bytes(need)} ({need} bytes) of device memory on top of "
+        f"{format_bytes(held)} that {', '.join(_holders(awaiting))} of the same step hold until their backward: "
+        f"over memory_budget={format_bytes(budget)}. Nothing of this call has run and no parameter has changed. "
+        f"Here {why}, or raise memory_budget to at least {held + need} (more if further calls follow).",
+        minimum_budget=held + need, limiting_layer=str(plan.limiting_layer))
 
 
 RECORDER = StepRecorder()

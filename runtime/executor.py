@@ -376,7 +376,7 @@ class StreamingProgram:
         device: StreamingDevice,
         lowering: str,
         compile_segment: Callable[[fx.GraphModule, list], Callable] | None = None,
-        on_start: Callable[[], None] | None = None,
+        on_start: Callable[[list], None] | None = None,  # called with the call's inputs
         on_finish: Callable[[bool], None] | None = None,  # called with whether the run raised
         observe_inputs: Callable[[list], None] | None = None,
         make_sink: Callable[[], GradientSink | None] | None = None,
@@ -404,7 +404,7 @@ class StreamingProgram:
         self.on_start = on_start
         self.on_finish = on_finish
         # Called with what a run returned (the step recorder watches a forward's outputs).
-        self.on_outputs: Callable[[Any], None] | None = None
+        self.on_outputs: Callable[[Any, set], None] | None = None  # (outputs, the inputs' ids)
         # Sees the inputs of each call before they are consumed (the forward records which
         # parameter tensors it ran with, for the backward's overlapped optimizer updates).
         self.observe_inputs = observe_inputs
@@ -495,7 +495,7 @@ class StreamingProgram:
         if self.check_inputs is not None:
             self.check_inputs(args)
         if self.on_start is not None:
-            self.on_start()
+            self.on_start(args)
         if self.observe_inputs is not None:
             self.observe_inputs(args)
         sink = self.make_sink() if self.make_sink is not None else None
@@ -506,13 +506,15 @@ class StreamingProgram:
         # While a torch profiler records, the run and each instruction are its ranges too.
         program_range = profiler_ranges.ProfilerRange("graphs", self.label) if profiler_ranges.profiling() else None
         failed = False
+        # (ids, not the tensors: the run frees its inputs as it goes)
+        input_ids = {id(a) for a in args} if self.on_outputs is not None else None
         try:
             # The casts autocast would make are in the program already; a caller's autocast
             # context must not cast its ops again (an op the trace kept in fp32 would change).
             with compat.autocast_disabled():
                 outputs = self._run(args, sink, recorder, program_range is not None)
             if self.on_outputs is not None:
-                self.on_outputs(outputs)
+                self.on_outputs(outputs, input_ids)
             return outputs
         except BaseException as error:
             failed = True

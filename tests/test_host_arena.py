@@ -158,20 +158,23 @@ def _mlp_pair_and_batches(n: int):
 
 def test_two_forwards_before_their_backwards_use_two_buffers(monkeypatch):
     """Micro-batches whose forwards all run first: the second forward may not overwrite the
-    first one's saved activations, so it takes a buffer of its own; gradients equal eager."""
+    first one's saved activations, so it takes a buffer of its own; gradients equal eager, and
+    both forwards' held bytes stay within the budget they were planned for."""
     loss_fn = REFERENCE_MODELS["mlp"][2]
     model, reference, batches = _mlp_pair_and_batches(2)
 
     def loss_of(m, x, y):
         return loss_fn(m(x), y)
 
+    # Planned for both forwards before the backward (the second runs beside what the first
+    # holds until then), at the smallest budget that fits them: the plan offloads.
+    options = {"device": "cpu", "lowering": "eager", "recompute": "never", "calls_before_backward": 2}
     with pytest.raises(megacompile.BudgetError) as e:
-        torch.compile(loss_of, backend="megatrain", options={
-            "device": "cpu", "lowering": "eager", "memory_budget": 1024, "recompute": "never"})(model, *batches[0])
+        torch.compile(loss_of, backend="megatrain", options={**options, "memory_budget": 1024})(model, *batches[0])
     torch._dynamo.reset()
     programs = record_programs(monkeypatch)
-    compiled = torch.compile(loss_of, backend="megatrain", options={
-        "device": "cpu", "lowering": "eager", "memory_budget": e.value.minimum_budget, "recompute": "never"})
+    compiled = torch.compile(loss_of, backend="megatrain", options={**options,
+                                                                     "memory_budget": e.value.minimum_budget})
     for _ in range(2):  # twice: the second round reuses the buffers the first one freed
         losses = [compiled(model, x, y) for x, y in batches]
         sum(losses).backward()
@@ -180,6 +183,8 @@ def test_two_forwards_before_their_backwards_use_two_buffers(monkeypatch):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
         model.zero_grad()
         reference.zero_grad()
+    report = megacompile.last_report()
+    assert report.measured_peak_device_bytes <= e.value.minimum_budget, str(report)
     (program,) = _with_arena(programs)
     stats = program.arena_pool.stats
     assert stats.placed > 0 and stats.spilled == 0 and stats.arenas_made == 2

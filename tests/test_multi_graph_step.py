@@ -74,3 +74,95 @@ def test_a_forward_whose_loss_is_dropped_holds_nothing_for_the_next_step():
     assert RECORDER.device_bytes_held(get_device("cpu"))[0] > 0  # awaits its backward
     del loss
     assert RECORDER.device_bytes_held(get_device("cpu")) == (0, [])
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _PerExpertLoop(torch.nn.Module):
+    """A mixture of experts written as DBRX writes it: a Python loop over the experts, each
+    picking its tokens with a data-dependent op (a graph break), so one compiled graph (the
+    experts' code) runs once per expert before any backward."""
+
+    def __init__(self, width: int = 32, experts: int = 3):
+        super().__init__()
+        self.router = torch.nn.Linear(width, experts)
+        self.experts = torch.nn.ModuleList(_Expert(width) for _ in range(experts))
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = torch.nonzero(choice == i).squeeze(-1)
+            out = out.index_add(0, rows, expert(x[rows]))
+        return self.head(x + out).pow(2).mean()
+
+
+def _sgd_step(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def _train_at_the_smallest_budget(model, x, **options):
+    """One step at the smallest budget the BudgetErrors lead to: (budget, loss, how many of the
+    errors refused a graph's further call before its backward)."""
+    budget, repeat_errors = 1, 0
+    for _ in range(12):
+        compiled = torch.compile(_sgd_step(model), backend="megatrain", options={
+            "device": "cpu", "lowering": "eager", "memory_budget": budget, **options})
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            return budget, compiled(x), repeat_errors
+        except megacompile.BudgetError as e:
+            if "runs again" in str(e):
+                repeat_errors += 1
+                assert "capture_dynamic_output_shape_ops" in str(e) and "calls_before_backward=" in str(e)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+            budget = max(budget + 1, e.minimum_budget)
+        finally:
+            torch._dynamo.reset()
+    pytest.fail(f"no budget found (last {budget})")
+
+
+@pytest.mark.parametrize("calls_before_backward", [1, 3])
+def test_a_graph_run_several_times_before_its_backward_is_counted_each_time(calls_before_backward):
+    """Each call of the expert graph holds its saved activations (and, planned resident, its
+    parameters) until the backward. The recorder took every repeat for a new step, so what
+    the earlier calls held was neither counted nor bounded: at the smallest budget the planner
+    accepted, the DBRX step measured 2.5x its budget. Now a call that would not fit beside them
+    raises BudgetError before it runs (parameters untouched, the fixes named), and at the
+    budget those errors lead to the measured peak is within it and the report counts the calls.
+    Planned for its calls (``calls_before_backward``), the step fits a budget half as large."""
+    torch.manual_seed(0)
+    model = _PerExpertLoop()
+    reference = copy.deepcopy(model)
+    x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
+    budget, got, repeat_errors = _train_at_the_smallest_budget(
+        model, x, calls_before_backward=calls_before_backward)
+    report = megacompile.last_report()
+    assert report.measured_peak_device_bytes <= budget, str(report)
+    assert report.measured_peak_device_bytes <= report.planned_peak_device_bytes, str(report)
+    assert any("times in the step before its backward" in n for n in report.notes), report.notes
+    if calls_before_backward == 1:
+        assert repeat_errors > 0
+        assert budget > 100_000  # (at this commit: 117,248 B)
+    else:
+        assert budget < 70_000  # (61,952 B: the expert graph recomputes and offloads instead)
+    torch.testing.assert_close(got, _sgd_step(reference)(x), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

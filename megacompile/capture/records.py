@@ -38,6 +38,8 @@ class CompiledGraph:
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     param_bytes_by_layer: dict = dataclasses.field(default_factory=dict)
+    # Device bytes the step's earlier graphs held when this one was planned (it fits beside them).
+    planned_on_top_of: int = 0
     # The graph's parameters (weakly: the record must not keep a model alive), by input index.
     param_refs: dict = dataclasses.field(default_factory=dict)
     # Inductor lowering: how many distinct segments were compiled and how many repeats reused
@@ -64,10 +66,13 @@ class CompiledGraph:
         # hands every device-side tensor to the tracker.
         return self.options.device == "cuda" or self.options.lowering == "eager"
 
-    def make_step_report(self, graphs: list["CompiledGraph"], held_at_start: list[int], **kw) -> StepReport:
-        """The report of a step made of ``graphs`` (this one first, in the order they started):
-        this graph's report, or every graph's merged into one (``_merge_step_reports``)."""
-        if len(graphs) == 1:
+    def make_step_report(self, graphs: list["CompiledGraph"], held_at_start: list[int], calls: list[int],
+                         peaks: list[int], **kw) -> StepReport:
+        """The report of a step made of ``graphs`` (this one first, in the order they started;
+        ``calls``: how often each ran; ``peaks``: the most its planned peak and what it ran
+        beside came to): this graph's report, or every graph's merged into one
+        (``_merge_step_reports``)."""
+        if len(graphs) == 1 and calls == [1]:
             return self.make_report(**kw)
         reports = [g.make_report(**kw) for g in graphs]
         host = host_bytes_of(graphs, kw.get("optimizer"))
@@ -75,7 +80,7 @@ class CompiledGraph:
         if overlap is not None and overlap["overlapped"]:
             host["gradients"] = max(0, host["gradients"] - overlap["consumed_grad_bytes"])
         num_params = sum({id(p): p.numel() for g in graphs for p in g.params()}.values())
-        return _merge_step_reports(graphs, reports, held_at_start, host, num_params)
+        return _merge_step_reports(graphs, reports, held_at_start, calls, peaks, host, num_params)
 
     def make_report(self, stats, measured: int | None, host_graphs: list[str], optimizer=None,
                     staging_peak: int = 0, overlap: dict | None = None, reserved: int | None = None,
@@ -181,9 +186,10 @@ def host_bytes_of(graphs: list[CompiledGraph], optimizer) -> dict[str, int]:
 
 
 def _merge_step_reports(graphs: list[CompiledGraph], reports: list[StepReport], held_at_start: list[int],
-                        host: dict[str, int], num_params: int) -> StepReport:
-    """One report for a step Dynamo split into several graphs: each graph ran on top of what
-    the earlier ones held on the device until their backward (``held_at_start``)."""
+                        calls: list[int], peaks: list[int], host: dict[str, int], num_params: int) -> StepReport:
+    """One report for a step Dynamo split into several graphs, or in which a graph ran several
+    times before its backward: each call ran on top of what the earlier ones held on the device
+    until their backward (``held_at_start``: the most any call of the graph started beside)."""
     first = reports[0]
     layers: dict[str, LayerRow] = {}
     for r in reports:
@@ -195,8 +201,10 @@ def _merge_step_reports(graphs: list[CompiledGraph], reports: list[StepReport], 
             merged.planned_forward_peak = max(merged.planned_forward_peak, row.planned_forward_peak)
             merged.planned_backward_peak = max(merged.planned_backward_peak, row.planned_backward_peak)
     notes = []
-    for g, r, held in zip(graphs, reports, held_at_start):
+    for g, r, held, n_calls in zip(graphs, reports, held_at_start, calls):
         notes += [f"{g.label}: {n}" for n in r.notes]
+        if n_calls > 1:
+            notes.append(f"{g.label} ran {n_calls} times in the step before its backward")
         if held:
             notes.append(f"{g.label} runs on top of {format_bytes(held)} the step's earlier graphs hold on the "
                          f"device until their backward (planned peak {format_bytes(r.planned_peak_device_bytes)} "
@@ -207,7 +215,7 @@ def _merge_step_reports(graphs: list[CompiledGraph], reports: list[StepReport], 
     return dataclasses.replace(
         first,
         policy=" | ".join(f"{g.label}: {r.policy}" for g, r in zip(graphs, reports)),
-        planned_peak_device_bytes=max(held + r.planned_peak_device_bytes for r, held in zip(reports, held_at_start)),
+        planned_peak_device_bytes=max(peaks),
         recomputed_ops=[op for r in reports for op in r.recomputed_ops],
         layers=list(layers.values()),
         graphs=[g.label for g in graphs],

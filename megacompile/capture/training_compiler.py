@@ -189,6 +189,7 @@ class TrainingCompiler:
             # reads. The step's plan decides keep / offload / recompute on the inlined copies.
             return compat.save_everything_partition(joint, num_fwd_outputs)
         held, holders = RECORDER.device_bytes_held(self.device)
+        self.record.planned_on_top_of = held
         if held and self.options.memory_budget is not None:
             return self._partition_on_top_of(held, holders, joint, joint_inputs, num_fwd_outputs)
         return self._partition(joint, joint_inputs, num_fwd_outputs)
@@ -487,13 +488,15 @@ def _template_failed(error: Exception) -> None:
 
 
 def size_check(record: CompiledGraph, budget: int | None):
-    """A check, run before a program starts, that the plan fits at the call's actual sizes.
+    """A check, run before a program starts, that the plan fits at the call's actual sizes;
+    it returns the plan's peak there.
 
     The plan is made at the traced example's sizes; with dynamic shapes a later call may be
     larger. The byte counts are kept as sympy expressions of the size symbols
     (``NodeInfo.nbytes``), so the peak of both rewritten graphs is re-estimated at each new set
     of sizes (once per set) and a ``BudgetError`` is raised before anything runs if it exceeds
-    the budget. None where there is nothing to check (no budget, static shapes).
+    the budget (beside what the step's earlier graphs hold: ``StepRecorder.forward_started``).
+    None where there is nothing to check (no budget, static shapes).
     """
     if budget is None or record.forward is None:
         return None
@@ -507,19 +510,19 @@ def size_check(record: CompiledGraph, budget: int | None):
                 bindings.append((index, dim, size.node.expr, size))
     if not bindings:
         return None
-    checked: set[tuple] = set()
+    checked: dict[tuple, int] = {}
     roots = storage_roots(record.forward)
     root_bytes = storage_root_bytes(record.forward, allocation_granularity(record.options.device))
     traced = ", ".join(f"{sym}={compat.int_hint(size)}" for _, _, sym, size in bindings)
 
-    def check(args: list) -> None:
+    def check(args: list) -> int:
         sizes = {}
         for index, dim, sym, _ in bindings:
             value = args[index] if dim is None else args[index].shape[dim]
             sizes.setdefault(sym, int(value))
         key = tuple(sizes.values())
         if key in checked:
-            return
+            return checked[key]
         how = dict(sizes=sizes, lowering=record.options.lowering,
                    granularity=allocation_granularity(record.options.device))
         estimates = [estimate_memory(record.forward, keep_outputs_alive=True, **how)]
@@ -536,7 +539,8 @@ def size_check(record: CompiledGraph, budget: int | None):
                 f"call. Use smaller inputs, or raise memory_budget to at least {worst.peak_bytes}.",
                 minimum_budget=worst.peak_bytes, limiting_layer=str(worst.peak_layer),
             )
-        checked.add(key)
+        checked[key] = worst.peak_bytes
+        return worst.peak_bytes
 
     return check
 
@@ -573,18 +577,19 @@ def lower_with(options: Options, device):
 
     def _lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str, saved_from: int | None):
         record.segment_stats = compile_segment.stats
-        on_start = (lambda: RECORDER.forward_started(record, device)) if start_step else None
+        check = size_check(record, options.memory_budget) if part == "forward" else None
+        on_start = ((lambda args: RECORDER.forward_started(record, device, check(args) if check else None))
+                    if start_step else None)
         ends_step_part = start_step or record.plan.policy != "inference"
         on_finish = ((lambda failed: RECORDER.graph_finished(record, backward=part == "backward", failed=failed))
                      if ends_step_part else None)
-        check = size_check(record, options.memory_budget) if part == "forward" else None
         share = not programs_copy(options, record, device)
         program = StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
                                    label=f"{record.label} {part}", check_inputs=check, share_host_memory=share,
                                    saved_from=saved_from)
         program.host_lead_layers = options.host_lead_layers
         if part == "forward" and start_step:
-            program.on_outputs = lambda outputs: RECORDER.forward_returned(record, outputs)
+            program.on_outputs = lambda outputs, input_ids: RECORDER.forward_returned(record, outputs, input_ids)
         if options.keeps_snapshots and record.measures_peak:  # inspect: the measured curve for --plot
             program.memory_log = record.memory_logs.setdefault(part, [])
         return program

@@ -330,12 +330,13 @@ class PlanMaker:
     def __init__(self, build: Callable, options, profile, predict_seconds: Callable[[Attempt], float]) -> None:
         self.build, self.options, self.profile, self.predict_seconds = build, options, profile, predict_seconds
         self.budget = options.memory_budget
+        self.calls_before_backward = options.calls_before_backward
         self.host_budget = options.host_activation_budget
         self.builds = 0  # plans built so far (what planning costs grows with it)
 
     def make(self, spec: PlanSpec, snapshots: bool = False) -> Attempt:
         """Builds ``spec`` under this maker's budget."""
-        plan = TrainingPlan(spec.replace(budget=self.budget))
+        plan = TrainingPlan(spec.replace(budget=self.budget, calls_before_backward=self.calls_before_backward))
         # Only a plan likely to be chosen as built is built with inspect's snapshots; the
         # caller builds the chosen plan again with them if it has none.
         self.builds += 1

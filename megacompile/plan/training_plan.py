@@ -53,6 +53,8 @@ class PlanSpec:
     # one compiled segment where the program copies (passes/merge_compute_runs.py), and why.
     merged_compute_runs: bool = False
     budget: int | None = None
+    # How many calls of the graph run before its backward (options.calls_before_backward).
+    calls_before_backward: int = 1
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalising a frozen dataclass's own fields
@@ -103,8 +105,18 @@ class TrainingPlan:
     budget = property(lambda self: self.spec.budget)
 
     @property
-    def peak_bytes(self) -> int:
+    def call_peak_bytes(self) -> int:
+        """One call's peak: forward or backward, whichever is higher."""
         return max((e.peak_bytes for e in (self.forward, self.backward) if e is not None), default=0)
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the plan needs of the budget: one call's peak, beside what the graph's other
+        calls before the backward hold (``calls_before_backward``; each what the forward leaves)."""
+        others = self.spec.calls_before_backward - 1
+        held = (others * self.forward.end_bytes
+                if others and self.forward is not None and self.backward is not None else 0)
+        return self.call_peak_bytes + held
 
     @property
     def limiting_layer(self) -> str | None:
