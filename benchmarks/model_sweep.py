@@ -11,6 +11,7 @@ where MKL's is 1 ulp off for some elements, which bf16 would amplify), the large
     python benchmarks/model_sweep.py --cases mixtral,t5 --precision bf16 --token-chunks 2
     python benchmarks/model_sweep.py --precision bf16 --autocast-in-step   # the step's own autocast region
     python benchmarks/model_sweep.py --at-minimum        # each at the smallest budget its planner accepts
+    python benchmarks/model_sweep.py --at-minimum --cases dbrx --calls-before-backward 8
 
 Parameters can differ by Adam's normalised noise where a true gradient is zero (attention key
 biases), so losses are the comparison; a fallback or an error is what the sweep looks for.
@@ -389,12 +390,14 @@ def run_case(name: str, precision: str, args) -> str:
     options = {"device": "cpu", "lowering": args.lowering, "memory_budget": budget, "precision": precision}
     if args.token_chunks:
         options["token_chunks"] = args.token_chunks
+    if args.calls_before_backward > 1:
+        options["calls_before_backward"] = args.calls_before_backward
     make = _step_of(loss_of, args.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False),
                     args.autocast_in_step and precision == "bf16")
     started = time.perf_counter()
     if args.at_minimum:
         try:
-            options["memory_budget"] = _smallest_budget(name, make, options)
+            options["memory_budget"] = _smallest_budget(name, make, options, args.steps)
         except Exception as e:  # noqa: BLE001
             return f"{name:14s} {precision:5s} ERROR finding the smallest budget: {type(e).__name__}: " \
                    f"{str(e).splitlines()[0][:300]}"
@@ -432,18 +435,23 @@ def run_case(name: str, precision: str, args) -> str:
 TRIES = 12
 
 
-def _smallest_budget(name: str, make, options: dict) -> int:
-    """The smallest budget the planner accepts for the case's step, from ``BudgetError.minimum_budget``
-    (a step of several graphs may need a few tries: each graph states its own minimum; DBRX's one
-    graph needed 4: its stated minimum did not fit, a miss of ``BudgetError.minimum_budget``)."""
+def _smallest_budget(name: str, make, options: dict, steps: int) -> int:
+    """The smallest budget the planner accepts for the case's ``steps`` steps, from
+    ``BudgetError.minimum_budget`` (a step of several graphs may need a few tries: each graph
+    states its own minimum; where one graph runs several times before its backward, each try
+    names what the calls so far need, and the plan at that budget keeps more: DBRX finds none in
+    12 tries unless the planner is told the calls, --calls-before-backward 8; and its routing
+    sends other token counts to each expert in each step: every step is tried)."""
     build, batch_of, _, _ = CASES[name]
     budget = 1
     for _ in range(TRIES):
         torch.manual_seed(0)
         probe = build().train()
+        g = torch.Generator().manual_seed(1)
         try:
-            torch.compile(make(probe), backend="megatrain", options={**options, "memory_budget": budget})(
-                *batch_of(torch.Generator().manual_seed(1)))
+            step = torch.compile(make(probe), backend="megatrain", options={**options, "memory_budget": budget})
+            for _ in range(steps):
+                step(*batch_of(g))
             return budget
         except megacompile.BudgetError as e:
             budget = max(budget + 1, e.minimum_budget)
@@ -474,6 +482,8 @@ def main() -> None:
                    help="the Hugging Face models that support it: their own activation checkpointing")
     p.add_argument("--autocast-in-step", action="store_true",
                    help="bf16: the step opens its own torch.autocast region (Dynamo traces the model under it)")
+    p.add_argument("--calls-before-backward", type=int, default=1,
+                   help="option calls_before_backward (DBRX: its per-expert graph runs 8 times before the backward)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--at-minimum", action="store_true",
                    help="train at the smallest budget the planner accepts (from BudgetError), not at the case's fraction")

@@ -165,6 +165,7 @@ class _Call:
     """One run of a compiled forward whose backward the step still waits for."""
 
     graph: Any  # capture.records.CompiledGraph
+    end_bytes: int  # what its forward leaves on the device for the backward, at its sizes
     outputs: list | None = None  # weak references to what the forward returned
 
 
@@ -213,9 +214,13 @@ class StepRecorder:
         cur["awaiting_backward"] = [c for c in cur["awaiting_backward"]
                                     if not (c.outputs and all(r() is None for r in c.outputs))]
 
-    def forward_started(self, compiled, device, peak_bytes: int | None = None) -> None:
-        """``compiled``'s forward starts; ``peak_bytes``: its plan's peak at this call's sizes
-        (None: as planned)."""
+    def forward_started(self, compiled, device, at_sizes: tuple[int, int] | None = None) -> None:
+        """``compiled``'s forward starts; ``at_sizes``: its plan's peak and what its forward
+        leaves on the device, at this call's sizes (None: as planned)."""
+        peak_bytes = at_sizes[0] if at_sizes is not None else None
+        plan = compiled.plan
+        end_bytes = (at_sizes[1] if at_sizes is not None
+                     else plan.forward.end_bytes if plan is not None and plan.forward is not None else 0)
         with self._lock:
             cur = self._current
             if cur is not None:
@@ -240,7 +245,7 @@ class StepRecorder:
                     cur["peaks"][i] = max(cur["peaks"][i], held + need)
                     cur["calls"][i] += 1
                 if compiled.backward is not None:
-                    cur["awaiting_backward"].append(_Call(compiled))
+                    cur["awaiting_backward"].append(_Call(compiled, end_bytes))
                 self._update()
                 return
             device.synchronize()
@@ -250,7 +255,7 @@ class StepRecorder:
             need = _planned_peak(compiled, peak_bytes)
             self._current = {"graphs": [compiled], "held_at_start": [0], "peaks": [need], "calls": [1],
                              "device": device,
-                             "awaiting_backward": [_Call(compiled)] if compiled.backward is not None else [],
+                             "awaiting_backward": [_Call(compiled, end_bytes)] if compiled.backward is not None else [],
                              "host_graphs": [], "optimizer": None, "overlap": None,
                              "data_parallel": None}
             self._update()
@@ -270,8 +275,7 @@ class StepRecorder:
 
     @staticmethod
     def _held(cur: dict) -> int:
-        return sum(c.graph.plan.forward.end_bytes for c in cur["awaiting_backward"]
-                   if c.graph.plan is not None and c.graph.plan.forward is not None)
+        return sum(c.end_bytes for c in cur["awaiting_backward"])
 
     def device_bytes_held(self, device) -> tuple[int, list[str]]:
         """What the graphs of the running step that still wait for their backward leave on

@@ -489,7 +489,8 @@ def _template_failed(error: Exception) -> None:
 
 def size_check(record: CompiledGraph, budget: int | None):
     """A check, run before a program starts, that the plan fits at the call's actual sizes;
-    it returns the plan's peak there.
+    it returns the plan's peak there and what the forward leaves on the device for the
+    backward (what the step's later calls run beside).
 
     The plan is made at the traced example's sizes; with dynamic shapes a later call may be
     larger. The byte counts are kept as sympy expressions of the size symbols
@@ -510,12 +511,12 @@ def size_check(record: CompiledGraph, budget: int | None):
                 bindings.append((index, dim, size.node.expr, size))
     if not bindings:
         return None
-    checked: dict[tuple, int] = {}
+    checked: dict[tuple, tuple[int, int]] = {}
     roots = storage_roots(record.forward)
     root_bytes = storage_root_bytes(record.forward, allocation_granularity(record.options.device))
     traced = ", ".join(f"{sym}={compat.int_hint(size)}" for _, _, sym, size in bindings)
 
-    def check(args: list) -> int:
+    def check(args: list) -> tuple[int, int]:
         sizes = {}
         for index, dim, sym, _ in bindings:
             value = args[index] if dim is None else args[index].shape[dim]
@@ -539,8 +540,8 @@ def size_check(record: CompiledGraph, budget: int | None):
                 f"call. Use smaller inputs, or raise memory_budget to at least {worst.peak_bytes}.",
                 minimum_budget=worst.peak_bytes, limiting_layer=str(worst.peak_layer),
             )
-        checked[key] = worst.peak_bytes
-        return worst.peak_bytes
+        checked[key] = (worst.peak_bytes, estimates[0].end_bytes)
+        return checked[key]
 
     return check
 
