@@ -167,6 +167,27 @@ class _Call:
     graph: Any  # capture.records.CompiledGraph
     end_bytes: int  # what its forward leaves on the device for the backward, at its sizes
     outputs: list | None = None  # weak references to what the forward returned
+    node: Any = None  # a weak reference to its backward's autograd node, once seen
+
+    def abandoned(self) -> bool:
+        """Whether no backward can come: its autograd node is gone; before that is seen,
+        everything its forward returned is. The node, once an output shows it, decides from
+        then on: the outputs may die while the node lives on (a custom autograd Function took
+        them as inputs and keeps only an edge to the node; the saved activations are held by
+        the node, not as the tensors returned)."""
+        if self.node is not None:
+            return self.node() is None
+        if not self.outputs:
+            return False
+        alive = [t for t in (r() for r in self.outputs) if t is not None]
+        for t in alive:
+            if t.grad_fn is not None:
+                try:
+                    self.node, self.outputs = weakref.ref(t.grad_fn), None
+                except TypeError:  # a node kind without weak references: keep watching outputs
+                    continue
+                return False
+        return not alive
 
 
 class StepRecorder:
@@ -211,8 +232,7 @@ class StepRecorder:
         worth its time where a decision rests on it, not on every call."""
         if collect and cur["awaiting_backward"]:
             gc.collect()
-        cur["awaiting_backward"] = [c for c in cur["awaiting_backward"]
-                                    if not (c.outputs and all(r() is None for r in c.outputs))]
+        cur["awaiting_backward"] = [c for c in cur["awaiting_backward"] if not c.abandoned()]
 
     def forward_started(self, compiled, device, at_sizes: tuple[int, int] | None = None) -> None:
         """``compiled``'s forward starts; ``at_sizes``: its plan's peak and what its forward

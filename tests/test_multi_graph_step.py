@@ -7,6 +7,7 @@ describes the whole step: every graph, the step's planned peak (each graph's own
 of what the earlier ones hold), the parameters of every layer and their host state.
 """
 import copy
+import weakref
 
 import pytest
 import torch
@@ -166,3 +167,31 @@ def test_a_graph_run_several_times_before_its_backward_is_counted_each_time(call
     torch.testing.assert_close(got, _sgd_step(reference)(x), rtol=1e-5, atol=0)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_call_whose_outputs_die_before_its_backward_is_still_awaited():
+    """Reformer's reversible layers take a graph's output into their own autograd Function and
+    drop it; the graph's saved activations are held by its autograd node, not as the tensors
+    its forward returned. Watching only those tensors, the recorder took the call for abandoned
+    while its backward was still to come, and the next graph ran beside bytes it did not count
+    (Reformer measured 128 B over its smallest budget). Once an output shows the call's autograd
+    node, the node decides."""
+    from megacompile.report import _Call
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    out = Scale.apply(torch.randn(4, requires_grad=True))  # (a node like a compiled graph's)
+    call = _Call(graph=None, end_bytes=0, outputs=[weakref.ref(out)])
+    assert not call.abandoned()
+    later = out * 3  # the next op keeps an edge to the node, not the tensor
+    del out
+    assert not call.abandoned()
+    del later
+    assert call.abandoned()
