@@ -288,3 +288,29 @@ def test_a_failure_to_chunk_leaves_the_unchunked_budget_error(monkeypatch):
             torch.compile(_step_of(model), backend="megatrain",
                           options={"device": "cpu", "lowering": "eager", "memory_budget": 1024})(*_batches(1)[0])
     assert len(tries) == 2 and excinfo.value.minimum_budget > 1024
+
+
+def test_a_run_backward_called_with_inputs_that_require_grad_is_not_zeros():
+    """Where the backward op gets a weight that requires grad with grad mode on (Wav2Vec2's
+    chunked encoder layers did), torch.library runs its kernel below autograd: the slice's
+    replay recorded nothing and every gradient it returned was zero (the step trained with
+    50-100% wrong weight gradients, no error). The replay turns autograd's dispatch back on;
+    a replay that records nothing raises instead of returning zeros."""
+    import torch.fx as fx  # lazy: only this test builds a run by hand
+
+    def run(tokens, weight, bias):
+        return (torch.nn.functional.layer_norm(torch.nn.functional.linear(tokens, weight, bias).relu(), (16,)),)
+
+    body = token_chunks.register_body(token_chunks.ChunkBody(
+        graph=fx.symbolic_trace(run), num_token_inputs=1, out_lead=[(2, 6)], autocast=None, ops=["linear"]))
+    g = torch.Generator().manual_seed(0)
+    tokens, weight = torch.randn(2, 6, 8, generator=g), torch.randn(16, 8, generator=g)
+    bias = torch.randn(16, generator=g)
+    grad_out = torch.randn(2, 6, 16, generator=g)
+    inputs = [t.clone().requires_grad_() for t in (tokens, weight, bias)]
+    want = torch.autograd.grad(run(*inputs)[0], inputs, grad_out)
+    with torch.enable_grad():
+        got = torch.ops.megatrain.token_chunked_backward(
+            body, 3, [tokens], [weight.clone().requires_grad_(), bias], [grad_out], [True, True, True])
+    for w, got_one in zip(want, got):
+        torch.testing.assert_close(got_one.view(w.shape), w, rtol=1e-5, atol=1e-6)

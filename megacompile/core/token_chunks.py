@@ -135,14 +135,18 @@ def _forward_fn(body: ChunkBody):
 def _backward_fn(body: ChunkBody, needs: tuple):
     def backward(tokens, shared, grads):
         inputs = [t.detach().requires_grad_(need) for t, need in zip(list(tokens) + list(shared), needs)]
-        with torch.enable_grad(), _autocast(body):
+        # (traced inside the op's kernel, which runs below autograd where an input requires grad)
+        with compat.autograd_dispatch(), torch.enable_grad(), _autocast(body):
             outs = body.graph(*inputs)
-        # A shared operand shaped (1, 1, C) (Falcon-H1's muP vector) broadcasts a run's output on
-        # rows to (1, n, C): its gradient, given in rows, takes the output's shape.
-        pairs = [(o, g.reshape(o.shape)) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        wanted = [t for t in inputs if t.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) \
-            if pairs and wanted else [None] * len(wanted)
+            # A shared operand shaped (1, 1, C) (Falcon-H1's muP vector) broadcasts a run's output
+            # on rows to (1, n, C): its gradient, given in rows, takes the output's shape.
+            pairs = [(o, g.reshape(o.shape)) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            wanted = [t for t in inputs if t.requires_grad]
+            if wanted and any(g is not None for g in grads) and not pairs:
+                raise RuntimeError("megatrain token_chunked_backward: the run's replay recorded no autograd "
+                                   "graph; its gradients would be zeros")
+            got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) \
+                if pairs and wanted else [None] * len(wanted)
         return [torch.zeros_like(t) if g is None else g for t, g in zip(wanted, got)]
     return backward
 

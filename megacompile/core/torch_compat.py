@@ -223,6 +223,25 @@ def is_fake_tensor(x: Any) -> bool:
     return isinstance(x, FakeTensor)
 
 
+def _autograd_dispatch_keys():
+    outside = torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch._C._dispatch_tls_local_exclude_set() - outside
+
+
+_AUTOGRAD_KEYS = _autograd_dispatch_keys()  # (at import: outside any such guard)
+
+
+@contextlib.contextmanager
+def autograd_dispatch():
+    """Autograd on again where the caller runs below it: a custom op called with inputs that
+    require grad runs its kernel below autograd (``torch.library``'s no-grad forward), and there
+    ``torch.enable_grad()`` alone records nothing for ``torch.autograd.grad``."""
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                         torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS):
+        yield
+
+
 def trace_aten(fn: Callable, args: Sequence[Any]) -> fx.GraphModule:
     """``fn`` traced to an aten graph (autograd and autocast included) on fake host tensors
     of the shapes and dtypes of ``args`` (tensors or lists of tensors); nothing is computed."""
