@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from reference_models import labels_training_step, tiny_llama
+from reference_models import labels_training_step, make_training_step, tiny_llama
 
 import megacompile
 from megacompile.core import torch_compat as compat
@@ -158,29 +158,17 @@ def test_dynamic_shapes_compile_each_segment_once_for_any_size():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
     reference = copy.deepcopy(model)
-
-    def make_step(m):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-
-        def step(x):
-            loss = m(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return step
-
-    step = torch.compile(make_step(model), backend="megatrain", dynamic=True,
-                         options={"device": "cpu", "lowering": "inductor"})
-    eager = make_step(reference)
+    step = torch.compile(make_training_step(model, torch.nn.functional.mse_loss)[0], backend="megatrain",
+                         dynamic=True, options={"device": "cpu", "lowering": "inductor"})
+    eager = make_training_step(reference, torch.nn.functional.mse_loss)[0]
     gen = torch.Generator().manual_seed(1)
 
     def compiled_segments() -> int:
         return sum(r.segment_stats.compiled for r in megacompile.compiled_graphs(step) if r.segment_stats)
 
     for i, rows in enumerate((16, 9, 23, 40)):
-        x = torch.randn(rows, 32, generator=gen)
-        torch.testing.assert_close(step(x), eager(x), rtol=1e-5, atol=0)
+        x, y = torch.randn(rows, 32, generator=gen), torch.randn(rows, 1, generator=gen)
+        torch.testing.assert_close(step(x, y), eager(x, y), rtol=1e-5, atol=0)
         if i == 0:
             after_first = compiled_segments()
     assert compiled_segments() == after_first > 0
