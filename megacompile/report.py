@@ -237,7 +237,7 @@ class StepRecorder:
     def forward_started(self, compiled, device, at_sizes: tuple[int, int] | None = None) -> None:
         """``compiled``'s forward starts; ``at_sizes``: its plan's peak and what its forward
         leaves on the device, at this call's sizes (None: as planned)."""
-        peak_bytes = at_sizes[0] if at_sizes is not None else None
+        need = _planned_peak(compiled, at_sizes[0] if at_sizes is not None else None)
         plan = compiled.plan
         end_bytes = (at_sizes[1] if at_sizes is not None
                      else plan.forward.end_bytes if plan is not None and plan.forward is not None else 0)
@@ -246,14 +246,14 @@ class StepRecorder:
             if cur is not None:
                 self._drop_abandoned(cur)
             if cur is not None and cur["device"] is device and cur["awaiting_backward"]:
-                if not _fits_beside(compiled, self._held(cur), peak_bytes):
-                    self._drop_abandoned(cur, collect=True)
                 held = self._held(cur)
-                try:
-                    need = _check_fits_beside(compiled, held, peak_bytes, cur["awaiting_backward"])
-                except BudgetError:
-                    cur["awaiting_backward"].clear()  # the step ends here: nothing will backpropagate
-                    raise
+                if not _fits_beside(compiled, held, need):
+                    self._drop_abandoned(cur, collect=True)
+                    held = self._held(cur)
+                    if not _fits_beside(compiled, held, need):
+                        error = _budget_error(compiled, held, need, cur["awaiting_backward"])
+                        cur["awaiting_backward"].clear()  # the step ends here: nothing will backpropagate
+                        raise error
                 if compiled not in cur["graphs"]:
                     cur["graphs"].append(compiled)
                     cur["held_at_start"].append(held)
@@ -272,7 +272,6 @@ class StepRecorder:
             device.reset_stats()
             device.tracker.reset_peak()
             device.host_staging.reset_peak()
-            need = _planned_peak(compiled, peak_bytes)
             self._current = {"graphs": [compiled], "held_at_start": [0], "peaks": [need], "calls": [1],
                              "device": device,
                              "awaiting_backward": [_Call(compiled, end_bytes)] if compiled.backward is not None else [],
@@ -399,22 +398,18 @@ def _planned_peak(compiled, peak_bytes: int | None) -> int:
     return compiled.plan.call_peak_bytes if compiled.plan is not None else 0
 
 
-def _fits_beside(compiled, held: int, peak_bytes: int | None) -> bool:
-    """Whether ``compiled``'s plan at this call fits the budget on top of ``held``."""
+def _fits_beside(compiled, held: int, need: int) -> bool:
+    """Whether ``compiled``'s plan, needing ``need`` at this call, fits the budget on top of
+    ``held``: what the plan was made to fit (at least the budget: a plan may round up to it),
+    its own further calls (calls_before_backward) included."""
     budget, plan = compiled.options.memory_budget, compiled.plan
-    # What the plan was made to fit (at least the budget: a plan may round up to it), its own
-    # further calls (calls_before_backward) included.
-    return (budget is None or plan is None
-            or held + _planned_peak(compiled, peak_bytes) <= max(budget, compiled.planned_on_top_of + plan.peak_bytes))
+    return budget is None or plan is None or held + need <= max(budget, compiled.planned_on_top_of + plan.peak_bytes)
 
 
-def _check_fits_beside(compiled, held: int, peak_bytes: int | None, awaiting: list[_Call]) -> int:
-    """``compiled``'s planned peak at this call; raises ``BudgetError`` before it runs where that
-    on top of what the step's earlier calls hold exceeds the budget: its plan assumed less held
-    beside it (it runs again before its backward, or an earlier forward is alive without one)."""
-    need = _planned_peak(compiled, peak_bytes)
-    if _fits_beside(compiled, held, peak_bytes):
-        return need
+def _budget_error(compiled, held: int, need: int, awaiting: list[_Call]) -> BudgetError:
+    """Why ``compiled`` does not fit beside what the step's earlier calls hold (its plan assumed
+    less beside it: it runs again before its backward, or an earlier forward is alive without
+    one), and what to change."""
     budget, plan = compiled.options.memory_budget, compiled.plan
     again = sum(c.graph is compiled for c in awaiting)
     if again:
@@ -430,7 +425,7 @@ def _check_fits_beside(compiled, held: int, peak_bytes: int | None, awaiting: li
         why = (f"an earlier forward of {', '.join(_holders(awaiting))} is still alive without its backward. Call "
                f"backward() first, run forwards that need none under torch.no_grad(), or drop their outputs "
                f"(del loss)")
-    raise BudgetError(
+    return BudgetError(
         f"megatrain: {compiled.label} needs {format_bytes(need)} ({need} bytes) of device memory on top of "
         f"{format_bytes(held)} that {', '.join(_holders(awaiting))} of the same step hold until their backward: "
         f"over memory_budget={format_bytes(budget)}. Nothing of this call has run and no parameter has changed. "

@@ -586,7 +586,9 @@ def lower_with(options: Options, device):
                      if ends_step_part else None)
         share = not programs_copy(options, record, device)
         program = StreamingProgram(gm, device, options.lowering, compile_segment, on_start, on_finish,
-                                   label=f"{record.label} {part}", check_inputs=check, share_host_memory=share,
+                                   label=f"{record.label} {part}",
+                                   check_inputs=check if on_start is None else None,  # (on_start checks)
+                                   share_host_memory=share,
                                    saved_from=saved_from)
         program.host_lead_layers = options.host_lead_layers
         if part == "forward" and start_step:
