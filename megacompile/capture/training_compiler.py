@@ -25,7 +25,7 @@ import torch.fx as fx
 from megacompile.capture import inline_regions, records
 from megacompile.capture.records import CompiledGraph
 from megacompile.capture.repeat_chain import find_repeat_chain, truncated_joint
-from megacompile.core import token_chunks
+from megacompile.core import kernel_dtypes, token_chunks
 from megacompile.core import torch_compat as compat
 from megacompile.core.collector import cycle_collector_paused
 from megacompile.core.errors import BudgetError, DataParallelError, UnsupportedGraph
@@ -188,11 +188,18 @@ class TrainingCompiler:
             # distinct body, with no inputs) before the step's: save everything its backward
             # reads. The step's plan decides keep / offload / recompute on the inlined copies.
             return compat.save_everything_partition(joint, num_fwd_outputs)
+        self._size_as_kernels(joint)
         held, holders = RECORDER.device_bytes_held(self.device)
         self.record.planned_on_top_of = held
         if held and self.options.memory_budget is not None:
             return self._partition_on_top_of(held, holders, joint, joint_inputs, num_fwd_outputs)
         return self._partition(joint, joint_inputs, num_fwd_outputs)
+
+    def _size_as_kernels(self, gm: fx.GraphModule) -> None:
+        """On the stand-in's eager kernels, values are sized as those kernels return them
+        (``core/kernel_dtypes.py``), not as the fake tensors of the trace say."""
+        if self.options.torch_device.type == "cpu" and self.options.lowering == "eager":
+            kernel_dtypes.size_as_cpu_kernels(gm)
 
     def _partition_on_top_of(self, held: int, holders: list[str], joint, joint_inputs, num_fwd_outputs: int):
         """A later graph of a step Dynamo split at a graph break runs while the earlier graphs'
@@ -423,6 +430,7 @@ class TrainingCompiler:
     def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Any:
         started = time.perf_counter()
         inline_regions.inline_nested_regions(gm)  # marked layers' calls, as traced (nothing partitioned)
+        self._size_as_kernels(gm)
         plan = TrainingPlan(PlanSpec(name="inference", budget=self.options.memory_budget))
         ctx = self._ctx("inference", plan)
         run_passes(gm, ctx, keep_snapshots=self.options.keeps_snapshots)

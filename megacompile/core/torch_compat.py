@@ -223,6 +223,14 @@ def is_fake_tensor(x: Any) -> bool:
     return isinstance(x, FakeTensor)
 
 
+def fake_like(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``val``'s kind (fake, in its mode, symbolic sizes kept) with its shape,
+    strides and device and another dtype."""
+    mode = val.fake_mode if isinstance(val, FakeTensor) else contextlib.nullcontext()
+    with mode:
+        return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device=val.device)
+
+
 def _autograd_dispatch_keys():
     outside = torch._C._dispatch_tls_local_exclude_set()
     with torch._C._AutoDispatchBelowAutograd():

@@ -1,0 +1,71 @@
+"""Output dtypes where the CPU kernel and the trace's fake tensors disagree.
+
+The memory estimate sizes every value from its fake tensor. For the normalisations below, on
+CPU, with a bf16/fp16 input and fp32 parameters (a LayerNorm under CPU autocast: its weight
+stays fp32), the kernel returns its saved statistics (mean, rstd) in fp32 while the fake
+tensor (PyTorch's CPU decomposition) says the input's dtype: the stand-in measured up to 1.5%
+more than planned at the smallest budget (ConvNeXt, Swin, ALBERT in bf16). Where the op runs
+through the eager kernel, the plan must size what that kernel returns. Inductor compiles the
+decomposition itself (what the fake says), and CUDA's kernels and fakes agree (fp32).
+``tests/test_kernel_dtypes.py`` checks the rule against the installed kernels.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from megacompile.core import torch_compat as compat
+
+_REDUCED = (torch.bfloat16, torch.float16)
+# op -> the output indices of its saved statistics (mean / rstd, save_mean / save_invstd).
+_NORMS = {
+    torch.ops.aten.native_layer_norm.default: (1, 2),
+    torch.ops.aten.native_group_norm.default: (1, 2),
+    torch.ops.aten.native_batch_norm.default: (1, 2),
+    torch.ops.aten._native_batch_norm_legit.default: (1, 2),
+    torch.ops.aten._native_batch_norm_legit.no_stats: (1, 2),
+    torch.ops.aten._native_batch_norm_legit_functional.default: (1, 2),
+    torch.ops.aten._native_batch_norm_legit_no_training.default: (1, 2),
+}
+
+
+def cpu_kernel_statistics_dtype(target, args) -> torch.dtype | None:
+    """The dtype the CPU kernel of ``target`` gives its saved statistics for these (fake)
+    arguments where it differs from the input's (mixed precision: a reduced-precision input
+    with an fp32 parameter or running statistic), else None."""
+    if target not in _NORMS or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    if args[0].dtype not in _REDUCED:
+        return None
+    mixed = any(isinstance(a, torch.Tensor) and a.dtype == torch.float32 for a in args[1:])
+    return torch.float32 if mixed else None
+
+
+def size_as_cpu_kernels(gm: fx.GraphModule) -> int:
+    """Gives every output that the CPU kernel returns in another dtype than its fake tensor
+    says a fake tensor of the kernel's dtype, in ``gm`` and every graph module under it (the
+    node's tuple and the ``getitem`` nodes that take the pieces); returns how many."""
+    changed = 0
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function" or node.target not in _NORMS:
+                continue
+            vals = node.meta.get("val")
+            args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+            dtype = cpu_kernel_statistics_dtype(node.target, args)
+            if dtype is None or not isinstance(vals, (tuple, list)):
+                continue
+            vals = list(vals)
+            for i in _NORMS[node.target]:
+                if isinstance(vals[i], torch.Tensor) and vals[i].dtype != dtype:
+                    vals[i] = compat.fake_like(vals[i], dtype)
+                    changed += 1
+            node.meta["val"] = tuple(vals)
+            for user in node.users:
+                if user.target is operator.getitem and user.args[1] in _NORMS[node.target]:
+                    user.meta["val"] = vals[user.args[1]]
+    return changed
