@@ -4,8 +4,8 @@
 A normalisation with a bf16 input and fp32 parameters returns fp32 statistics from its CPU
 kernel while its fake tensor says bf16: the stand-in measured more than the plan (ConvNeXt,
 Swin, ALBERT in bf16, up to 1.5% over the smallest budget). The rule is checked against the
-installed kernels; a step whose norms save their statistics is measured node by node against
-its plan.
+installed kernels (CPU, and CUDA where there is a GPU); a step whose norms save their
+statistics is measured node by node against its plan.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from megacompile.capture.records import recording
 from megacompile.cli.plot_data import memory_timeline
-from megacompile.core.kernel_dtypes import cpu_kernel_statistics_dtype
+from megacompile.core.kernel_dtypes import kernel_statistics_dtype
 from megacompile.report import last_report
 
 aten = torch.ops.aten
@@ -23,11 +23,12 @@ X = torch.randn(2, 8, 4)
 C = 8
 
 
-def _calls():
+def _calls(device):
     """(op, arguments after the input) with the parameters of dtype ``p``."""
     def of(p):
-        w, b = torch.randn(C, dtype=p), torch.randn(C, dtype=p)
-        stats = (torch.zeros(C), torch.ones(C))  # running statistics: fp32 in any module
+        w, b = torch.randn(C, dtype=p, device=device), torch.randn(C, dtype=p, device=device)
+        # running statistics: fp32 in any module
+        stats = (torch.zeros(C, device=device), torch.ones(C, device=device))
         return [
             (aten.native_layer_norm.default, ([4], w[:4], b[:4], 1e-5), (2, 8, 4)),
             (aten.native_group_norm.default, (w, b, 2, C, 4, 2, 1e-5), (2, C, 4)),
@@ -38,14 +39,16 @@ def _calls():
     return of
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
 @pytest.mark.parametrize("params", [torch.float32, torch.bfloat16], ids=["fp32-params", "bf16-params"])
-def test_the_rule_is_what_the_cpu_kernels_return(params):
-    for op, rest, shape in _calls()(params):
-        x = X.reshape(shape).to(torch.bfloat16)
+def test_the_rule_is_what_the_kernels_return(params, device):
+    for op, rest, shape in _calls(device)(params):
+        x = X.reshape(shape).to(device, torch.bfloat16)
         if params == torch.bfloat16 and "batch_norm" in str(op) and "no_stats" not in str(op):
             continue  # the kernel refuses bf16 parameters beside fp32 running statistics
         out = op(x, *rest)
-        want = cpu_kernel_statistics_dtype(op, (x, *rest)) or x.dtype
+        want = kernel_statistics_dtype(op, (x, *rest)) or x.dtype
         assert (out[1].dtype, out[2].dtype) == (want, want), op
 
 

@@ -196,10 +196,11 @@ class TrainingCompiler:
         return self._partition(joint, joint_inputs, num_fwd_outputs)
 
     def _size_as_kernels(self, gm: fx.GraphModule) -> None:
-        """On the stand-in's eager kernels, values are sized as those kernels return them
-        (``core/kernel_dtypes.py``), not as the fake tensors of the trace say."""
-        if self.options.torch_device.type == "cpu" and self.options.lowering == "eager":
-            kernel_dtypes.size_as_cpu_kernels(gm)
+        """Values sized as the kernels that run the program return them (``core/kernel_dtypes.py``),
+        not as the host trace's fake tensors say; not where Inductor compiles the CPU
+        decomposition the fakes come from (the stand-in under the Inductor lowering)."""
+        if not (self.options.torch_device.type == "cpu" and self.options.lowering == "inductor"):
+            kernel_dtypes.size_as_kernels(gm)
 
     def _partition_on_top_of(self, held: int, holders: list[str], joint, joint_inputs, num_fwd_outputs: int):
         """A later graph of a step Dynamo split at a graph break runs while the earlier graphs'

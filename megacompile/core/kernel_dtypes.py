@@ -1,13 +1,14 @@
-"""Output dtypes where the CPU kernel and the trace's fake tensors disagree.
+"""Output dtypes where the kernels and the host trace's fake tensors disagree.
 
-The memory estimate sizes every value from its fake tensor. For the normalisations below, on
-CPU, with a bf16/fp16 input and fp32 parameters (a LayerNorm under CPU autocast: its weight
-stays fp32), the kernel returns its saved statistics (mean, rstd) in fp32 while the fake
-tensor (PyTorch's CPU decomposition) says the input's dtype: the stand-in measured up to 1.5%
-more than planned at the smallest budget (ConvNeXt, Swin, ALBERT in bf16). Where the op runs
-through the eager kernel, the plan must size what that kernel returns. Inductor compiles the
-decomposition itself (what the fake says), and CUDA's kernels and fakes agree (fp32).
-``tests/test_kernel_dtypes.py`` checks the rule against the installed kernels.
+The memory estimate sizes every value from its fake tensor. For the normalisations below,
+with a bf16/fp16 input and fp32 parameters (a LayerNorm under CPU autocast, a BatchNorm after
+a bf16 conv: megatrain loads norm weights in fp32), the kernels return the saved statistics
+(mean, rstd) in fp32, the CPU kernels as the CUDA ones (their accumulate type), while the
+fake tensor of the host trace (PyTorch's reference implementation, whose CPU branch casts
+them to the input's dtype) says bf16: the stand-in measured up to 1.5% more than planned at
+the smallest budget (ConvNeXt, Swin, ALBERT in bf16). The plan sizes what the kernels return,
+except where Inductor compiles that CPU branch itself (the stand-in's Inductor lowering).
+``tests/test_kernel_dtypes.py`` checks the rule against the installed CPU kernels.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ _NORMS = {
 }
 
 
-def cpu_kernel_statistics_dtype(target, args) -> torch.dtype | None:
-    """The dtype the CPU kernel of ``target`` gives its saved statistics for these (fake)
+def kernel_statistics_dtype(target, args) -> torch.dtype | None:
+    """The dtype the kernels of ``target`` give its saved statistics for these (fake)
     arguments where it differs from the input's (mixed precision: a reduced-precision input
     with an fp32 parameter or running statistic), else None."""
     if target not in _NORMS or not args or not isinstance(args[0], torch.Tensor):
@@ -43,8 +44,8 @@ def cpu_kernel_statistics_dtype(target, args) -> torch.dtype | None:
     return torch.float32 if mixed else None
 
 
-def size_as_cpu_kernels(gm: fx.GraphModule) -> int:
-    """Gives every output that the CPU kernel returns in another dtype than its fake tensor
+def size_as_kernels(gm: fx.GraphModule) -> int:
+    """Gives every output that the kernel returns in another dtype than its fake tensor
     says a fake tensor of the kernel's dtype, in ``gm`` and every graph module under it (the
     node's tuple and the ``getitem`` nodes that take the pieces); returns how many."""
     changed = 0
@@ -56,7 +57,7 @@ def size_as_cpu_kernels(gm: fx.GraphModule) -> int:
                 continue
             vals = node.meta.get("val")
             args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
-            dtype = cpu_kernel_statistics_dtype(node.target, args)
+            dtype = kernel_statistics_dtype(node.target, args)
             if dtype is None or not isinstance(vals, (tuple, list)):
                 continue
             vals = list(vals)
