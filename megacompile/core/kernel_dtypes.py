@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from megacompile.core import torch_compat as compat
+from megacompile.core.node_info import is_view_node
 
 _REDUCED = (torch.bfloat16, torch.float16)
 # op -> the output indices of its saved statistics (mean / rstd, save_mean / save_invstd).
@@ -30,6 +31,8 @@ _NORMS = {
     torch.ops.aten._native_batch_norm_legit_functional.default: (1, 2),
     torch.ops.aten._native_batch_norm_legit_no_training.default: (1, 2),
 }
+
+_KEEP_DTYPE = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default)
 
 
 def kernel_statistics_dtype(target, args) -> torch.dtype | None:
@@ -69,4 +72,16 @@ def size_as_kernels(gm: fx.GraphModule) -> int:
             for user in node.users:
                 if user.target is operator.getitem and user.args[1] in _NORMS[node.target]:
                     user.meta["val"] = vals[user.args[1]]
+                    _follow_aliases(user, dtype)
     return changed
+
+
+def _follow_aliases(node: fx.Node, dtype: torch.dtype) -> None:
+    """Views and detaches of a resized value (what AOTAutograd saves is a ``detach`` of it)
+    return its dtype too."""
+    for user in node.users:
+        val = user.meta.get("val")
+        if (isinstance(val, torch.Tensor) and val.dtype != dtype and user.args and user.args[0] is node
+                and (user.target in _KEEP_DTYPE or is_view_node(user))):
+            user.meta["val"] = compat.fake_like(val, dtype)
+            _follow_aliases(user, dtype)
