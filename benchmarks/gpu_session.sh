@@ -20,7 +20,7 @@
 #   3. the same 7B step with host_activation_budget=0 (activations on the device: the RSS target);
 #   4. megacompile calibrate (its host AdamW is megatrain's kernel now: against the in-step rate);
 #   5. the same at 8 layers, the depth of the peers' rows of 2026-11-24 (then "peers" on the same machine);
-#   6. the rest of tests/test_cuda.py in what is left.
+#   6. the rest of tests/test_cuda.py in what is left, and tests/test_kernel_dtypes.py (its rule against CUDA's kernels).
 # "issue19": the long-context checks of 2026-11-26 (4 layers at 131,072 tokens fused and unfused, the head's forms,
 #   the flash pair and autocast tests), about 7 minutes.
 # "max_tokens" (about 6 minutes): issue 17's "largest tokens per step that fits", planned on the CPU and not yet run:
@@ -85,7 +85,8 @@ if [ "$part" = next ]; then
     step peers_8_layers 120 "$PY" benchmarks/peers.py --systems megatrain --layers 8 --seq 4096 --batch 8 \
         --steps 5 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 110 --out-dir "$OUT" --tag megatrain-8layers
-    step test_cuda_rest 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not host_lead"
+    step test_cuda_rest 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not host_lead" \
+        tests/test_kernel_dtypes.py
 fi
 if [ "$part" = issue19 ]; then
     DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-585} ))
