@@ -167,14 +167,16 @@ class _Call:
     graph: Any  # capture.records.CompiledGraph
     end_bytes: int  # what its forward leaves on the device for the backward, at its sizes
     outputs: list | None = None  # weak references to what the forward returned
+    storages: list | None = None  # weak references to their storages
     node: Any = None  # a weak reference to its backward's autograd node, once seen
 
     def abandoned(self) -> bool:
         """Whether no backward can come: its autograd node is gone; before that is seen,
-        everything its forward returned is. The node, once an output shows it, decides from
-        then on: the outputs may die while the node lives on (a custom autograd Function took
-        them as inputs and keeps only an edge to the node; the saved activations are held by
-        the node, not as the tensors returned)."""
+        the memory of everything its forward returned is. The node, once an output shows it,
+        decides from then on. Memory, not the tensors: the tensor objects returned may die
+        while what they hold lives on (a custom autograd Function took them as inputs and keeps
+        only an edge to the node; AOTAutograd hands the user a fresh view of an output that is
+        a view of an intermediate, and the saved activations are held by the node)."""
         if self.node is not None:
             return self.node() is None
         if not self.outputs:
@@ -183,11 +185,17 @@ class _Call:
         for t in alive:
             if t.grad_fn is not None:
                 try:
-                    self.node, self.outputs = weakref.ref(t.grad_fn), None
+                    self.node, self.outputs, self.storages = weakref.ref(t.grad_fn), None, None
                 except TypeError:  # a node kind without weak references: keep watching outputs
                     continue
                 return False
-        return not alive
+        return not alive and not any(s() is not None for s in self.storages or ())
+
+    def watch(self, returned: list[torch.Tensor]) -> None:
+        """Watches what the forward returned. Storage objects live exactly as long as their
+        memory (PyTorch keeps one per storage)."""
+        self.outputs = [weakref.ref(t) for t in returned]
+        self.storages = [weakref.ref(t.untyped_storage()) for t in returned if t.untyped_storage().nbytes()]
 
 
 class StepRecorder:
@@ -219,11 +227,11 @@ class StepRecorder:
         """Watches what ``compiled``'s forward returned (its saved activations among them): once
         all of it is gone, no backward can come (the loss was dropped without one). Inputs it
         returns (a batch saved for the backward) live on with the caller: not watched."""
-        refs = [weakref.ref(t) for t in outputs if isinstance(t, torch.Tensor) and id(t) not in input_ids]
+        returned = [t for t in outputs if isinstance(t, torch.Tensor) and id(t) not in input_ids]
         with self._lock:
             call = self._last_call(self._current, compiled) if self._current is not None else None
-            if call is not None and refs:
-                call.outputs = refs
+            if call is not None and returned:
+                call.watch(returned)
 
     @staticmethod
     def _drop_abandoned(cur: dict, collect: bool = False) -> None:

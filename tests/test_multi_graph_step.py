@@ -195,3 +195,23 @@ def test_a_call_whose_outputs_die_before_its_backward_is_still_awaited():
     assert not call.abandoned()
     del later
     assert call.abandoned()
+
+
+
+def test_a_call_is_awaited_while_the_memory_it_returned_lives():
+    """Reformer's LM head in bf16: the tensors its graph returned died before the loss graph was
+    planned (the user got a fresh view of an output that views an intermediate; the saved ones
+    are held by the autograd node as storage, not as those objects), so the recorder dropped the
+    call while its saved activations waited on the device, and the loss graph ran beside 40 KiB
+    it did not count (91,520 B measured at a 59,784 B budget; benchmarks/model_sweep.py
+    --at-minimum --precision bf16). A call is now awaited while the memory it returned lives."""
+    from megacompile.report import _Call
+
+    returned = torch.randn(4, 8)
+    users_view = returned.detach()  # what the user holds instead: the same memory, another object
+    call = _Call(graph=None, end_bytes=128)
+    call.watch([returned])
+    del returned
+    assert not call.abandoned()
+    del users_view
+    assert call.abandoned()
