@@ -215,3 +215,40 @@ def test_a_call_is_awaited_while_the_memory_it_returned_lives():
     assert not call.abandoned()
     del users_view
     assert call.abandoned()
+
+
+class _HeadThenLoss(torch.nn.Module):
+    """A head, then a graph break before a loss whose fp32 softmax is the largest thing."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(32, 64)
+        self.head = torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        logits = self.head(torch.tanh(self.body(x))).view(4, 12, 128)
+        torch._dynamo.graph_break()
+        return torch.log_softmax(logits.double(), -1).square().mean()
+
+
+def test_a_graph_without_layers_that_does_not_fit_says_so():
+    """The loss graph after a graph break has no layers: its BudgetError named layer 'None' and a
+    streaming floor of 0 B "at layer 'None'". It says what the graph needs and what to change."""
+    torch.manual_seed(0)
+    model = _HeadThenLoss()
+    messages, budget = [], 1
+    for _ in range(6):
+        compiled = torch.compile(_sgd_step(model), backend="megatrain", options={
+            "device": "cpu", "lowering": "eager", "memory_budget": budget})
+        try:
+            compiled(torch.randn(48, 32))
+            break
+        except megacompile.BudgetError as e:
+            messages.append(str(e))
+            budget = e.minimum_budget
+        finally:
+            torch._dynamo.reset()
+    layerless = [m for m in messages if "no layers to stream" in m]
+    assert layerless, messages
+    assert all("'None'" not in m for m in layerless)
+    assert all("For the whole step: at least" in m for m in layerless)

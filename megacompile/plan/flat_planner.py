@@ -723,6 +723,13 @@ def _raise(attempts: list[Attempt], budget: int | None, floor: StreamingFloor, h
             minimum_budget=None, limiting_layer=str(least.plan.limiting_layer), streaming_floor=floor.bytes,
             least_host_activation_bytes=least.host_activation_bytes)
     best = min(attempts, key=lambda a: a.peak).plan
+    if floor.layer is None or best.limiting_layer is None:  # a graph without layers (a loss after a graph break)
+        raise BudgetError(
+            f"megatrain: memory_budget={format_bytes(budget)} is too small for this training step. This graph has no "
+            f"layers to stream; its smallest plan needs {format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes) of "
+            f"device memory (plan '{best.policy}'). Raise memory_budget to at least {best.peak_bytes}, or shrink its "
+            f"tensors (smaller batch or sequence length).",
+            minimum_budget=best.peak_bytes, limiting_layer=str(best.limiting_layer), streaming_floor=floor.bytes)
     if best.peak_bytes >= floor.bytes:
         ratio = best.peak_bytes / max(floor.bytes, 1)
         against_floor = f"the streaming floor is {floor.describe()} ({ratio:.2f}x of it)"
