@@ -8,7 +8,8 @@ fake tensor of the host trace (PyTorch's reference implementation, whose CPU bra
 them to the input's dtype) says bf16: the stand-in measured up to 1.5% more than planned at
 the smallest budget (ConvNeXt, Swin, ALBERT in bf16). The plan sizes what the kernels return,
 except where Inductor compiles that CPU branch itself (the stand-in's Inductor lowering).
-``tests/test_kernel_dtypes.py`` checks the rule against the installed CPU kernels.
+``tests/test_kernel_dtypes.py`` checks the rule against the installed kernels (CPU; CUDA's
+where there is a GPU).
 """
 from __future__ import annotations
 
@@ -64,10 +65,12 @@ def size_as_kernels(gm: fx.GraphModule) -> int:
             if dtype is None or not isinstance(vals, (tuple, list)):
                 continue
             vals = list(vals)
-            for i in _NORMS[node.target]:
-                if isinstance(vals[i], torch.Tensor) and vals[i].dtype != dtype:
-                    vals[i] = compat.fake_like(vals[i], dtype)
-                    changed += 1
+            resized = [i for i in _NORMS[node.target] if isinstance(vals[i], torch.Tensor) and vals[i].dtype != dtype]
+            if not resized:
+                continue
+            for i in resized:
+                vals[i] = compat.fake_like(vals[i], dtype)
+            changed += len(resized)
             node.meta["val"] = tuple(vals)
             for user in node.users:
                 if user.target is operator.getitem and user.args[1] in _NORMS[node.target]:
