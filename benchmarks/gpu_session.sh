@@ -3,7 +3,7 @@
 # a session, machine start included, and a command at most 10 minutes). Run from the repository
 # root on the GPU machine, in a device call with timeout_s 600:
 #
-#   bash benchmarks/gpu_session.sh [next|issue19|max_tokens|peers]
+#   bash benchmarks/gpu_session.sh [next|issue19|max_tokens|peers_7b|peers]
 #
 # Carry .whl/ with transformers 5.24 (the tests' pin; the machine has 5.17), and for "peers" DeepSpeed
 # and its needs: `bash benchmarks/prepare_device.sh [--peers]` fills it, here; this script installs
@@ -107,13 +107,33 @@ if [ "$part" = max_tokens ]; then
         --batch 8 --steps 3 --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
         --timeout 490 --out-dir "$OUT" --tag megatrain-32layers-max-tokens
 fi
-if [ "$part" = next ] || [ "$part" = issue19 ] || [ "$part" = max_tokens ]; then :
+if [ "$part" = peers_7b ]; then
+    # Issue 17's side-by-side at its target shape (32 layers, 6.74 B parameters, 8 x 4096 tokens), one system per
+    # process, in the order of the targets that bind: megatrain, FSDP2 offload (1.5x), MegaTrain's code (1.0x),
+    # DeepSpeed ZeRO-3 offload (1.3x) with what is left of the call. Results merge into one file after each system.
+    DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-585} ))
+    export TORCH_EXTENSIONS_DIR=/tmp/ds_ext MEGATRAIN_REF_OPTIMIZER=deepspeed_adam
+    shape=(--layers 32 --seq 4096 --batch 8 --steps 4 --budget 60GiB
+           --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json --out-dir "$OUT" --tag peers-32layers)
+    PEERS_MEGATRAIN_TRACE="$OUT/megatrain-32layers-trace.json" \
+    step peers_7b_megatrain 175 "$PY" benchmarks/peers.py "${shape[@]}" --systems megatrain --timeout 170
+    merged=$(ls "$OUT"/peers-*-peers-32layers.json 2>/dev/null | head -n 1)
+    for system in fsdp2_cpu_offload:150 megatrain_reference:160 deepspeed_zero3_offload:400; do
+        left=$(( DEADLINE - $(date +%s) - 10 ))
+        limit=$(( ${system#*:} < left ? ${system#*:} : left ))
+        step "peers_7b_${system%:*}" $(( limit + 5 )) "$PY" benchmarks/peers.py "${shape[@]}" --systems "${system%:*}" \
+            --timeout "$limit" ${merged:+--merge-into "$merged"}
+        merged=${merged:-$(ls "$OUT"/peers-*-peers-32layers.json 2>/dev/null | head -n 1)}
+    done
+    tar czf "$OUT/peer-logs.tgz" /tmp/peers-logs-* 2>/dev/null
+fi
+if [ "$part" = next ] || [ "$part" = issue19 ] || [ "$part" = max_tokens ] || [ "$part" = peers_7b ]; then :
 elif [ "$part" = peers ]; then
     # megatrain's own row comes from "next" on the same machine (its compile alone took 99 s).
     step peers_others 590 "$PY" benchmarks/peers.py --layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB \
         --systems fsdp2_cpu_offload,deepspeed_zero3_offload,megatrain_reference,resident_torch_compile \
         --timeout 140 --out-dir "$OUT" --tag peers-8layers
 else
-    echo "gpu_session.sh: unknown part '$part' (next, issue19, max_tokens or peers)" >&2
+    echo "gpu_session.sh: unknown part '$part' (next, issue19, max_tokens, peers_7b or peers)" >&2
     exit 2
 fi
