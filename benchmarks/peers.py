@@ -219,6 +219,8 @@ def table(doc: dict) -> str:
                          f"{m.get('host_bytes_per_param', 0):.1f} B/param by the report, RSS "
                          f"{ours['host_rss_peak_bytes'] / doc['params']:.1f} B/param")
     for name, r in doc["systems"].items():
+        if not (r.get("notes") or r.get("wall_s")):  # listed above with its error only
+            continue
         lines.append(f"{name}: {r.get('notes', '')}  (process wall {r.get('wall_s', 0):.0f} s; "
                      f"step times {', '.join(f'{t:.2f}' for t in r.get('step_times', []))})")
     return "\n".join(lines)
