@@ -528,11 +528,13 @@ class StreamingProgram:
         finally:
             if not failed:
                 sink.finish()
+            # The profiler's range closes before the trace's clock stops, so the range nests in the
+            # trace's event (a GIL handoff in between would otherwise lengthen the range alone).
+            if program_range is not None:
+                program_range.close()
             if recorder is not None:  # the program's event encloses the updates it waited for
                 recorder.add_program(self.label, program_start, time.perf_counter_ns(),
                                      {"instructions": len(self.instructions)})
-            if program_range is not None:
-                program_range.close()
             if self.on_finish is not None:
                 self.on_finish(failed)
 
