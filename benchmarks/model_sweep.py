@@ -380,6 +380,11 @@ def _megatrain_arithmetic(opt: torch.optim.Optimizer) -> None:
         opt.step = lambda *args, **kwargs: fused_update(opt)
 
 
+# What a user of the case sets after megatrain's warning: Reformer's reversible layers call
+# backward(retain_graph=True) inside their own backward (capture/retained_graph.py).
+CASE_OPTIONS = {"reformer": {"retain_graph": True}}
+
+
 def run_case(name: str, precision: str, args) -> str:
     build, batch_of, loss_of, fraction = CASES[name]
     torch.manual_seed(0)
@@ -392,6 +397,7 @@ def run_case(name: str, precision: str, args) -> str:
         options["token_chunks"] = args.token_chunks
     if args.calls_before_backward > 1:
         options["calls_before_backward"] = args.calls_before_backward
+    options.update(CASE_OPTIONS.get(name, {}))
     make = _step_of(loss_of, args.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False),
                     args.autocast_in_step and precision == "bf16")
     started = time.perf_counter()

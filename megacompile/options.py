@@ -105,6 +105,10 @@ class Options:
     # launches from blocking on a full CUDA launch queue. None: no bound. (CUDA only; the CPU
     # stand-in runs its work where it is issued.)
     host_lead_layers: int | None = 3
+    # The step's backward is called with retain_graph=True: autograd then holds every saved
+    # activation to the backward's end, so the planner prices the backward that way
+    # (capture/retained_graph.py warns where a backward retains the graph without it).
+    retain_graph: bool = False
 
     def fused_head_chunk_tokens(self, vocab: int) -> int:
         if self.head_chunk_tokens != "auto":
@@ -225,6 +229,10 @@ def parse_options(raw: Mapping[str, Any] | None) -> Options:
         if not isinstance(raw["release_host_heap"], bool):
             raise OptionsError(f"option release_host_heap={raw['release_host_heap']!r} must be True or False")
         kw["release_host_heap"] = raw["release_host_heap"]
+    if "retain_graph" in raw:
+        if not isinstance(raw["retain_graph"], bool):
+            raise OptionsError(f"option retain_graph={raw['retain_graph']!r} must be True or False")
+        kw["retain_graph"] = raw["retain_graph"]
     if "host_lead_layers" in raw:
         lead = raw["host_lead_layers"]
         if lead is not None and (isinstance(lead, bool) or not isinstance(lead, int) or lead < 1):

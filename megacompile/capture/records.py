@@ -48,6 +48,9 @@ class CompiledGraph:
     # Under `megacompile inspect`, where the device measures: "forward" / "backward" -> the
     # last run's (instruction name, device bytes live after it) (``StreamingProgram.memory_log``).
     memory_logs: dict = dataclasses.field(default_factory=dict)
+    # Where its backward ran with retain_graph=True: its peak with the saved activations held to the
+    # end (``retained_graph.py``), which is what the device sees then; None where it never did.
+    retained_backward_peak: int | None = None
 
     @property
     def num_params(self) -> int:
@@ -144,7 +147,10 @@ class CompiledGraph:
             layers=list(layers.values()),
             graphs=[self.label],
             host_graphs=host_graphs,
-            notes=[plan.reason] if plan.reason else [],
+            notes=([plan.reason] if plan.reason else []) + ([
+                f"the backward ran with retain_graph=True: autograd held the saved activations to its end, "
+                f"up to {format_bytes(self.retained_backward_peak)} on the device where the plan frees them"]
+                if self.retained_backward_peak is not None else []),
             optimizer=overlap,
             segments=dataclasses.asdict(self.segment_stats) if self.segment_stats is not None else None,
         )

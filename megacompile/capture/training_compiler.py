@@ -22,7 +22,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from megacompile.capture import inline_regions, records
+from megacompile.capture import inline_regions, records, retained_graph
 from megacompile.capture.records import CompiledGraph
 from megacompile.capture.repeat_chain import find_repeat_chain, truncated_joint
 from megacompile.core import kernel_dtypes, token_chunks
@@ -143,7 +143,8 @@ class TrainingCompiler:
             bctx = self._ctx("backward", plan)
             run_passes(bw, bctx, keep_snapshots=snapshots)
             plan.forward, plan.backward = estimate_program_pair(
-                fw, bw, self.options.lowering, allocation_granularity(self.options.device))
+                fw, bw, self.options.lowering, allocation_granularity(self.options.device),
+                inputs_held=self.options.retain_graph)
             return Attempt(plan, fw, bw, jctx.snapshots + fctx.snapshots + bctx.snapshots)
 
         return build
@@ -359,6 +360,7 @@ class TrainingCompiler:
                                  part="backward")
         program.make_sink = self._make_lander
         program.lands_gradients = True
+        program.observe_inputs = retained_graph.retained_graph_check(self.record)
         finished = program.on_finish
 
         def on_finish(failed: bool) -> None:
@@ -538,7 +540,8 @@ def size_check(record: CompiledGraph, budget: int | None):
         estimates = [estimate_memory(record.forward, keep_outputs_alive=True, **how)]
         if record.backward is not None:
             estimates.append(estimate_memory(record.backward, keep_outputs_alive=False, input_storage=roots,
-                                             input_storage_bytes=root_bytes, **how))
+                                             input_storage_bytes=root_bytes, inputs_held=record.options.retain_graph,
+                                             **how))
         worst = max(estimates, key=lambda e: e.peak_bytes)
         if worst.peak_bytes > budget:
             now = ", ".join(f"{sym}={v}" for sym, v in sizes.items())

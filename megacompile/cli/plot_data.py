@@ -58,7 +58,8 @@ def memory_timeline(record) -> MemoryTimeline:
     bw_curve: list = []
     options = record.options
     estimate_program_pair(record.forward, record.backward, options.lowering,
-                          allocation_granularity(options.device), curves=(fw_curve, bw_curve))
+                          allocation_granularity(options.device), curves=(fw_curve, bw_curve),
+                          inputs_held=options.retain_graph)
     nodes, phases, planned, measured, layer_of = [], [], [], [], []
     for phase, gm, curve in (("forward", record.forward, fw_curve), ("backward", record.backward, bw_curve)):
         if gm is None:

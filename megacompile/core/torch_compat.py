@@ -445,6 +445,12 @@ def tensor_has_grad_hooks(t: torch.Tensor) -> bool:
     return bool(getattr(t, "_backward_hooks", None) or getattr(t, "_post_accumulate_grad_hooks", None))
 
 
+def backward_keeps_graph() -> bool:
+    """Whether the backward running on this thread was called with ``retain_graph=True``: autograd
+    then holds every saved tensor until the graph is freed (AOTAutograd reads the same flag)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
 def step_is_stock(opt: torch.optim.Optimizer) -> bool:
     """``opt.step`` is its class's step, possibly behind the LR scheduler's bookkeeping
     wrapper (which sets ``opt._opt_called`` and calls the class's step, nothing else)."""

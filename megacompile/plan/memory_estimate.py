@@ -111,7 +111,8 @@ def runtime_segments(gm: fx.GraphModule, lowering: str) -> list[list[fx.Node]] |
 def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | None = None,
                     input_storage: dict[str, str] | None = None, sizes: dict | None = None,
                     lowering: str = "eager", granularity: int = 1,
-                    input_storage_bytes: dict[str, int] | None = None) -> MemoryEstimate:
+                    input_storage_bytes: dict[str, int] | None = None,
+                    inputs_held: bool = False) -> MemoryEstimate:
     """``input_storage``: for the backward, which saved inputs share one forward storage
     (``storage_roots`` of the forward graph): they are one allocation, not several, and as
     large as that storage (``input_storage_bytes``, ``storage_root_bytes`` of the forward):
@@ -120,7 +121,9 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
     call whose shapes differ from the traced example's; None: the example's sizes.
     ``lowering``: under "inductor", a value a compiled segment reads lives to the end of that
     segment (runtime_segments), where the runtime frees it.
-    ``granularity``: the device's allocation unit (allocation_granularity)."""
+    ``granularity``: the device's allocation unit (allocation_granularity).
+    ``inputs_held``: the graph's inputs live to its end whatever reads them (a backward run with
+    ``retain_graph=True``: autograd holds the saved activations until the graph is freed)."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
@@ -158,6 +161,8 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
                 last = end if keep_outputs_alive else position[user]
             else:
                 last = max(last, position[user])
+        if inputs_held and root.op == "placeholder":
+            last = end
         death[root] = max(death.get(root, 0), last)
 
     # A compiled segment holds its inputs until it returns. (Values made inside a segment are
@@ -229,17 +234,17 @@ def estimate_memory(gm: fx.GraphModule, keep_outputs_alive: bool, curve: list | 
 
 
 def estimate_program_pair(forward: fx.GraphModule, backward: fx.GraphModule | None, lowering: str,
-                          granularity: int, curves: tuple[list, list] | None = None,
+                          granularity: int, curves: tuple[list, list] | None = None, inputs_held: bool = False,
                           ) -> tuple[MemoryEstimate, MemoryEstimate | None]:
     """The estimates of a graph's forward and backward, as the planner makes them: the forward
     hands its outputs (saved values) on where there is a backward, and the backward's saved
     inputs are the forward's storages. ``curves``: two lists to fill with each program's
-    (node name, live bytes)."""
+    (node name, live bytes). ``inputs_held``: the backward retains the graph (option retain_graph)."""
     fw_curve, bw_curve = curves if curves is not None else (None, None)
     how = dict(lowering=lowering, granularity=granularity)
     fw = estimate_memory(forward, keep_outputs_alive=backward is not None, curve=fw_curve, **how)
     if backward is None:
         return fw, None
     bw = estimate_memory(backward, keep_outputs_alive=False, curve=bw_curve, input_storage=storage_roots(forward),
-                         input_storage_bytes=storage_root_bytes(forward, granularity), **how)
+                         input_storage_bytes=storage_root_bytes(forward, granularity), inputs_held=inputs_held, **how)
     return fw, bw
