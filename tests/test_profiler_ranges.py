@@ -8,6 +8,7 @@ it, and the ops the step ran nest inside them. With no profiler active no range 
 """
 import collections
 import json
+import time
 
 import pytest
 import torch
@@ -114,6 +115,27 @@ def test_profiler_shows_megatrain_lanes_like_its_own_trace(tmp_path, overlap):
     else:
         assert len(updates) == 1 and updates[0].thread == main_thread
         assert updates[0].time_range.start >= max(p.time_range.end for p in programs if p.name.endswith(" backward"))
+
+
+def test_a_program_range_closes_before_its_trace_event_is_recorded(tmp_path, monkeypatch):
+    """Whatever delays the recording of a program's trace event (another thread holding the GIL;
+    stood in here by a slow ``add_program``), its profiler range has closed already: the range
+    nests in the event (a flake on a loaded 2-core AMD machine before the order was fixed)."""
+    from megacompile.runtime import trace as runtime_trace
+
+    real = runtime_trace.TraceRecorder.add_program
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.005)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(runtime_trace.TraceRecorder, "add_program", slow)
+    events, ours = _profile_one_step(tmp_path, overlap=False)
+    programs = {profiler_ranges.range_name(lane, e["name"]): e["dur"] for lane, e in ours if lane == "graphs"}
+    ranges = [e for e in events if e.name in programs]
+    assert len(ranges) == len(programs) >= 2  # each program ran once
+    for e in ranges:  # (with the add_program inside the range, each was 5 ms longer than its event)
+        assert e.time_range.elapsed_us() < programs[e.name] + 1000, (e.name, e.time_range.elapsed_us(), programs[e.name])
 
 
 def test_no_range_is_entered_without_a_profiler(tmp_path, monkeypatch):
