@@ -6,7 +6,9 @@ a bf16 conv: megatrain loads norm weights in fp32), the kernels return the saved
 (mean, rstd) in fp32, the CPU kernels as the CUDA ones (their accumulate type), while the
 fake tensor of the host trace (PyTorch's reference implementation, whose CPU branch casts
 them to the input's dtype) says bf16: the stand-in measured up to 1.5% more than planned at
-the smallest budget (ConvNeXt, Swin, ALBERT in bf16). The plan sizes what the kernels return,
+the smallest budget (ConvNeXt, Swin, ALBERT in bf16). The other way, GroupNorm's backward
+returns the input gradient in the input's dtype (bf16) where its fake says fp32 (the
+statistics' dtype): planned above what ran. The plan sizes what the kernels return,
 except where Inductor compiles that CPU branch itself (the stand-in's Inductor lowering).
 ``tests/test_kernel_dtypes.py`` checks the rule against the installed kernels (CPU; CUDA's
 where there is a GPU).
@@ -33,6 +35,12 @@ _NORMS = {
     torch.ops.aten._native_batch_norm_legit_no_training.default: (1, 2),
 }
 
+# op -> (output index, argument index): that output has that argument's dtype (the input
+# gradient, the input's), whatever its fake tensor says.
+_INPUT_GRADIENTS = {
+    torch.ops.aten.native_group_norm_backward.default: (0, 1),
+}
+
 _KEEP_DTYPE = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default)
 
 
@@ -48,6 +56,31 @@ def kernel_statistics_dtype(target, args) -> torch.dtype | None:
     return torch.float32 if mixed else None
 
 
+def kernel_input_gradient_dtype(target, args) -> torch.dtype | None:
+    """The dtype the kernels of ``target`` give its input gradient for these (fake)
+    arguments where the input is in reduced precision (then the input's), else None."""
+    if target not in _INPUT_GRADIENTS:
+        return None
+    arg = _INPUT_GRADIENTS[target][1]
+    if len(args) <= arg or not isinstance(args[arg], torch.Tensor) or args[arg].dtype not in _REDUCED:
+        return None
+    return args[arg].dtype
+
+
+def _resized_outputs(node: fx.Node) -> dict[int, torch.dtype]:
+    """Output index -> the kernel's dtype, where it differs from ``node``'s fake tensors."""
+    vals = node.meta.get("val")
+    if not isinstance(vals, (tuple, list)):
+        return {}
+    args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+    wanted: dict[int, torch.dtype] = {}
+    if node.target in _NORMS and (dtype := kernel_statistics_dtype(node.target, args)) is not None:
+        wanted.update(dict.fromkeys(_NORMS[node.target], dtype))
+    if node.target in _INPUT_GRADIENTS and (dtype := kernel_input_gradient_dtype(node.target, args)) is not None:
+        wanted[_INPUT_GRADIENTS[node.target][0]] = dtype
+    return {i: d for i, d in wanted.items() if isinstance(vals[i], torch.Tensor) and vals[i].dtype != d}
+
+
 def size_as_kernels(gm: fx.GraphModule) -> int:
     """Gives every output that the kernel returns in another dtype than its fake tensor
     says a fake tensor of the kernel's dtype, in ``gm`` and every graph module under it (the
@@ -57,25 +90,20 @@ def size_as_kernels(gm: fx.GraphModule) -> int:
         if not isinstance(module, fx.GraphModule):
             continue
         for node in module.graph.nodes:
-            if node.op != "call_function" or node.target not in _NORMS:
+            if node.op != "call_function" or (node.target not in _NORMS and node.target not in _INPUT_GRADIENTS):
                 continue
-            vals = node.meta.get("val")
-            args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
-            dtype = kernel_statistics_dtype(node.target, args)
-            if dtype is None or not isinstance(vals, (tuple, list)):
-                continue
-            vals = list(vals)
-            resized = [i for i in _NORMS[node.target] if isinstance(vals[i], torch.Tensor) and vals[i].dtype != dtype]
+            resized = _resized_outputs(node)
             if not resized:
                 continue
-            for i in resized:
+            vals = list(node.meta["val"])
+            for i, dtype in resized.items():
                 vals[i] = compat.fake_like(vals[i], dtype)
             changed += len(resized)
             node.meta["val"] = tuple(vals)
             for user in node.users:
-                if user.target is operator.getitem and user.args[1] in _NORMS[node.target]:
+                if user.target is operator.getitem and user.args[1] in resized:
                     user.meta["val"] = vals[user.args[1]]
-                    _follow_aliases(user, dtype)
+                    _follow_aliases(user, resized[user.args[1]])
     return changed
 
 
