@@ -149,7 +149,9 @@ class CompiledGraph:
             host_graphs=host_graphs,
             notes=([plan.reason] if plan.reason else []) + ([
                 f"the backward ran with retain_graph=True: autograd held the saved activations to its end, "
-                f"up to {format_bytes(self.retained_backward_peak)} on the device where the plan frees them"]
+                f"up to {format_bytes(self.retained_backward_peak)} on the device"
+                + (" (planned so: option retain_graph)" if self.options.retain_graph else
+                   " where the plan frees them (option retain_graph plans for it)")]
                 if self.retained_backward_peak is not None else []),
             optimizer=overlap,
             segments=dataclasses.asdict(self.segment_stats) if self.segment_stats is not None else None,
