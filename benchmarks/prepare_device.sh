@@ -9,7 +9,11 @@
 # --peers: DeepSpeed 0.19.8 for benchmarks/peers.py (a wheel built from its sdist with no ops
 # compiled: the device JIT-builds DeepSpeedCPUAdam on first use) and the packages it needs that the
 # device lacks (pydantic and its own, hjson). MegaTrain's code is not a package: bring it with the
-# agent's fetch tool (github:DLYuanGod/MegaTrain) and check it out into .peers/MegaTrain (git-ignored).
+# agent's fetch tool (github:DLYuanGod/MegaTrain) and export its tree into .peers/MegaTrain (git-ignored)
+# with its commit hash in .peers/MegaTrain/MEGATRAIN_COMMIT. The stored mirror lacks the blobs of its
+# committed csrc/build binaries (aarch64), so a checkout fails: export the files one by one without
+# csrc/build/ (git ls-tree -r --name-only HEAD | grep -v '^csrc/build/', then git show HEAD:<file>);
+# its verl/ and build/ folders are not imported (leave them out: the tree that travels is smaller).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
