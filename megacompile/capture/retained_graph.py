@@ -5,7 +5,7 @@ The plan frees each saved activation at its last read in the backward. Under
 one after another, Reformer's reversible layers inside their own backward) autograd holds every
 saved tensor until the graph itself is freed, so nothing the plan frees early is freed and the
 backward peaks above its plan. Option ``retain_graph=True`` makes the planner price the backward
-with its inputs held to its end (``estimate_memory(inputs_held=True)``). Without it the plan cannot
+with its inputs held to its end (``estimate_program_pair(inputs_held=True)``). Without it the plan cannot
 know how the backward will be called; its program can, when it starts: then that peak is estimated
 once per graph, the report notes it, and where it is over the budget a warning says what to change
 (the backward still runs: the forward already did, and updates may have landed).
@@ -18,22 +18,15 @@ from typing import Callable
 from megacompile.capture.records import CompiledGraph
 from megacompile.core import torch_compat as compat
 from megacompile.core.units import format_bytes
-from megacompile.plan.memory_estimate import (
-    allocation_granularity,
-    estimate_memory,
-    storage_root_bytes,
-    storage_roots,
-)
+from megacompile.plan.memory_estimate import allocation_granularity, estimate_program_pair
 
 
 def retained_backward_peak(record: CompiledGraph) -> int:
     """The backward's peak with every input (saved activation, incoming gradient) held to its end,
     on top of what the step's earlier graphs held when it was planned."""
     options = record.options
-    granularity = allocation_granularity(options.device)
-    held = estimate_memory(record.backward, keep_outputs_alive=False, input_storage=storage_roots(record.forward),
-                           input_storage_bytes=storage_root_bytes(record.forward, granularity),
-                           lowering=options.lowering, granularity=granularity, inputs_held=True)
+    _, held = estimate_program_pair(record.forward, record.backward, options.lowering,
+                                    allocation_granularity(options.device), inputs_held=True)
     return record.planned_on_top_of + held.peak_bytes
 
 
