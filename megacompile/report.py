@@ -300,6 +300,21 @@ class StepRecorder:
                     cur["awaiting_backward"].remove(call)
                 self._update()
 
+    def params_shared_with_other_calls(self, compiled) -> set[int]:
+        """Ids of the parameters that another forward call of the running step read besides the
+        one of ``compiled`` whose backward is starting: another graph's, or all of
+        ``compiled``'s where it ran more than once. Autograd sums the parts of such a
+        gradient before it accumulates it (whichever backward runs first), so no one
+        backward's part is the gradient the update needs."""
+        with self._lock:
+            cur = self._current
+            if cur is None or compiled not in cur["graphs"]:
+                return set()
+            shared = {id(p) for g in cur["graphs"] if g is not compiled for p in g.params()}
+            if cur["calls"][cur["graphs"].index(compiled)] > 1:
+                shared |= {id(p) for p in compiled.params()}
+            return shared
+
     @staticmethod
     def _held(cur: dict) -> int:
         return sum(c.end_bytes for c in cur["awaiting_backward"])

@@ -312,6 +312,12 @@ class CudaDevice(StreamingDevice):
                 weakref.finalize(host, self.pinned.release, nbytes)
         compute = torch.cuda.current_stream(self.torch_device)
         self.d2h_stream.wait_stream(compute)
+        if into is not None:
+            # Host memory a load may still be reading (a weight's bf16 copy a gradient lands
+            # in, its layer's load possibly issued after the compute that made the gradient).
+            last_read = self._last_read.get(into.untyped_storage().data_ptr())
+            if last_read is not None:
+                self.d2h_stream.wait_event(last_read)
         recorder = trace.active()
         with torch.cuda.stream(self.d2h_stream):
             if after is not None:

@@ -41,6 +41,13 @@ class GradientSink:
         sink)."""
         return False
 
+    def landing_place(self, position: int, like: torch.Tensor) -> torch.Tensor | None:
+        """An ``owns`` position's value, still on the device, about to be copied to the host:
+        host memory of the sink's own shaped like ``like`` for the copy to land in, or None
+        (the program's landing buffers). The overlapped optimizer offers the weight's bf16
+        copy, which its update rewrites anyway: the gradient then needs no host memory."""
+        return None
+
     def before_offload(self, position: int, value: torch.Tensor, layer: str | None) -> DeviceWork | None:
         """An ``owns`` position's value, still on the device, just before the program copies
         it to the host (only where nothing else reads its memory after the copy): the sink may

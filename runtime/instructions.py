@@ -331,8 +331,10 @@ class Offload(Instruction):
         else:
             if self.to_arena:
                 into = call.arena.place(value) if call.arena is not None else None
-            else:  # a returned gradient: a buffer of its size, reused every step
-                into = call.landing.take(value) if self.returns is not None and call.landing is not None else None
+            else:  # a returned gradient: where the sink offers, else a buffer of its size reused every step
+                into = call.sink.landing_place(self.returns, value) if taken and work is None else None
+                if into is None and self.returns is not None and call.landing is not None:
+                    into = call.landing.take(value)
             host = device.offload(value, self.tag, self.layer, into=into, after=after)
         if taken:
             # Taken as soon as it lands: the program returns None for it and keeps no host copy.

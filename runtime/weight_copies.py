@@ -34,6 +34,9 @@ class _Copy:
     tensor: torch.Tensor
     version: int  # the weight's version counter when ``tensor`` was written
     data_ptr: int  # the weight's storage then (a ``.data`` swap makes it another weight)
+    # Lent to the host optimizer: the weight's gradient landed in it, and the update that
+    # rewrites it is due (until then a load would recast it: ``version`` is stale).
+    lent: bool = False
 
 
 @dataclasses.dataclass
@@ -42,6 +45,7 @@ class WeightCopyStats:
     recast: int = 0  # loads that found the weight changed and rewrote its copy
     written_by_optimizer: int = 0  # copies the host optimizer rewrote with its update
     reused: int = 0  # loads that took a current copy as it was
+    lent: int = 0  # copies a gradient landed in before the update that rewrote them
 
 
 class WeightCopies:
@@ -63,9 +67,11 @@ class WeightCopies:
             if entry is None:
                 entry = self._make(weight, dtype)
                 self.stats.made += 1
-            elif entry.version != compat.tensor_version(weight) or entry.data_ptr != weight.data_ptr():
+            elif entry.lent or entry.version != compat.tensor_version(weight) or entry.data_ptr != weight.data_ptr():
+                # (lent: holds a gradient whose update never ran, e.g. the step failed)
                 with torch.no_grad():
                     entry.tensor.copy_(weight)
+                entry.lent = False
                 self.stats.recast += 1
             else:
                 self.stats.reused += 1
@@ -89,18 +95,37 @@ class WeightCopies:
         self._copies[weight] = entry
         return entry
 
+    def _current(self, p: torch.Tensor) -> _Copy | None:
+        e = self._copies.get(p)
+        current = (e is not None and e.tensor.dtype == torch.bfloat16 and e.tensor.is_contiguous()
+                   and e.version == compat.tensor_version(p) and e.data_ptr == p.data_ptr())
+        return e if current else None
+
     def for_update(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """For each of ``params`` the host optimizer is about to update, its current bf16 copy
-        (to rewrite in the same pass), or None: no copy (a weight no load casts, e.g. a norm's)
-        or a stale one (rewritten at its next load instead)."""
+        (to rewrite in the same pass; one ``lend`` gave it is current too), or None: no copy
+        (a weight no load casts, e.g. a norm's) or a stale one (rewritten at its next load
+        instead)."""
         with self._lock:
             found = []
             for p in params:
                 e = self._copies.get(p)
-                current = (e is not None and e.tensor.dtype == torch.bfloat16 and e.tensor.is_contiguous()
-                           and e.version == compat.tensor_version(p) and e.data_ptr == p.data_ptr())
-                found.append(e.tensor if current else None)
+                found.append(e.tensor if e is not None and e.lent else getattr(self._current(p), "tensor", None))
             return found
+
+    def lend(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The current bf16 copy of ``weight`` for its bf16 gradient to land in, or None.
+        Only for a gradient the host optimizer updates ``weight`` with in this step, after
+        which no load reads the old weight: the update reads the gradient and rewrites the
+        copy element by element in one pass (``fused_adam_step``), so the gradient takes no
+        host memory of its own. Until ``updated`` the copy is stale: a load recasts it."""
+        with self._lock:
+            e = self._current(weight)
+            if e is None:
+                return None
+            e.lent, e.version = True, -1
+            self.stats.lent += 1
+            return e.tensor
 
     def updated(self, params: list[torch.Tensor]) -> None:
         """``params`` were updated and their copies written in the same pass: current again."""
@@ -108,6 +133,7 @@ class WeightCopies:
             for p in params:
                 entry = self._copies[p]
                 entry.version, entry.data_ptr = compat.tensor_version(p), p.data_ptr()
+                entry.lent = False
             self.stats.written_by_optimizer += len(params)
 
     def nbytes(self, params: list[torch.Tensor]) -> int:

@@ -150,6 +150,61 @@ def test_accumulated_microbatches_overlap_the_last_one():
     assert modes == [False, False, True, False, False, True, False, False, True]
 
 
+class _SharedAcrossABreak(torch.nn.Module):
+    """A weight read on both sides of a graph break: two graphs, each with part of its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.shared = (torch.nn.Linear(64, 64) for _ in range(3))
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        x = torch.relu(self.shared(self.first(x)))
+        torch._dynamo.graph_break()
+        return self.head(self.shared(torch.relu(self.second(x))))
+
+
+@pytest.mark.parametrize("case", ["weight_on_both_sides_of_a_graph_break", "graph_called_twice_before_backward"])
+def test_a_weight_whose_gradient_comes_in_parts_is_updated_once_with_all_of_it(case):
+    """Autograd sums the parts of a parameter's gradient from several backward calls before
+    it accumulates them, so no single backward holds the whole gradient: those parameters are
+    left to step() (``left_to_step``), the rest still overlap, and training equals eager.
+    (Before, the first backward updated from its part alone: off eager from the second step.)"""
+    ctor = _SharedAcrossABreak if case.startswith("weight") else MLP
+    model, reference = pair(ctor)
+    compiled = torch.compile(model, backend="megatrain", options=OPTIONS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    def loss_of(m, x, y):
+        if case.startswith("weight"):
+            return F.mse_loss(m(x), y)
+        return F.mse_loss(m(x[:8]), y[:8]) + F.mse_loss(m(x[8:]), y[8:])  # two calls, one backward
+
+    reports = []
+    for x, y in batches(3):
+        loss = loss_of(compiled, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        reports.append(optimizer_report())
+        torch.testing.assert_close(loss.detach(), eager_step_of(loss_of, reference, ref_opt, x, y),
+                                   rtol=LOSS_RTOL, atol=0)
+        assert_same(model, reference)
+    if case.startswith("weight"):  # the shared weight and bias wait for step(); the graph's others overlap
+        assert all(r["overlapped"] and r["left_to_step"] == 2 for r in reports), reports
+    else:  # every parameter is read by both calls
+        assert not any(r["overlapped"] for r in reports) and "another forward call" in reports[-1]["reason"]
+
+
+def eager_step_of(loss_of, model, opt, x, y):
+    loss = loss_of(model, x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 class _Hooked:
     """A parameter gradient hook the synchronous path must keep honouring."""
 

@@ -98,6 +98,28 @@ def test_no_weight_is_cast_in_a_steady_step_when_the_optimizer_writes_the_copies
         assert later["made"] == later["recast"] == 0, later  # no host cast of a weight at all
         assert later["written_by_optimizer"] == n
         assert later["reused"] >= n  # every load (forward and backward) took its copy
+    # Every copied weight's bf16 gradient landed in its copy (no host buffer of its own), and
+    # training stayed bitwise equal to eager (``_train``).
+    assert all(c["lent"] == n for c in counts), counts
+    # Host gradient bytes held for the updates: only the GPT's LayerNorm gradients (fp32, no copy).
+    assert (megacompile.last_report().optimizer["peak_pending_grad_bytes"] == 0) == (name == "mlp")
+
+
+def test_a_copy_a_gradient_landed_in_is_recast_if_its_update_never_comes():
+    """Lent to a landing gradient, a copy is the update's to rewrite; where the update does
+    not come (the step failed between), the next load casts the weight again instead of
+    carrying the gradient's bits to the device."""
+    from megacompile.runtime.weight_copies import WeightCopies
+
+    copies = WeightCopies(page_lock=False)
+    weight = torch.randn(4, 8)
+    copy_ = copies.get(weight, torch.bfloat16)
+    lent = copies.lend(weight)
+    assert lent is copy_ and copies.for_update([weight]) == [copy_]  # the update rewrites it
+    lent.fill_(7.0)  # a gradient landed
+    again = copies.get(weight, torch.bfloat16)
+    assert again is copy_ and torch.equal(again, weight.to(torch.bfloat16)) and copies.stats.recast == 1
+    assert copies.lend(torch.randn(3)) is None  # a weight without a copy: the program's own buffer
 
 
 def test_without_the_overlapped_optimizer_each_load_recasts_in_place():

@@ -413,6 +413,19 @@ class TrainingCompiler:
                                         "computes on the host cores the updates would use)")
         if group is not None and not group.sync:
             return without_overlap("inside megacompile.no_sync(): gradients accumulate locally")
+        # A parameter another forward call of this step also read (a weight used on both sides of
+        # a graph break, a graph run on several micro-batches before one backward) gets its
+        # gradient in parts, which autograd sums before it accumulates them: it is left to
+        # autograd and updated by step() itself, after the backward.
+        others = RECORDER.params_shared_with_other_calls(self.record)
+        shared = [pos for pos, p in params.items() if id(p) in others]
+        if shared and syncing:
+            return without_overlap(f"{len(shared)} parameter(s) of this graph are read by another forward call "
+                                   "of the step (data parallel: their gradients are averaged after it)")
+        params = {pos: p for pos, p in params.items() if id(p) not in others}
+        if not params:
+            return without_overlap("every parameter of this graph is read by another forward call of the step: "
+                                   "their gradients come in parts, summed by autograd for step()")
         opt, reason = overlap.step_follows_backward(params)
         if syncing and group.shards_optimizer:
             # Overlapped or not, the ranks share updated parameters differently (per layer from
@@ -423,6 +436,7 @@ class TrainingCompiler:
             return without_overlap(reason)
         created = overlap.create_missing_state(opt, params)  # a first step overlaps too
         lander = overlap.GradientLander(opt, params, self.device, reason, reducer=reducer, created_state=created)
+        lander.stats.left_to_step = len(shared)
         RECORDER.overlap_decided(lander.stats)
         if reducer is not None:
             RECORDER.data_parallel_decided(reducer.stats)

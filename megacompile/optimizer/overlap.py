@@ -346,6 +346,11 @@ class OverlapStats:
     update_seconds: float = 0.0  # summed over the worker's updates
     exposed_seconds: float = 0.0  # the backward's wait for updates still running at its end
     peak_pending_grad_bytes: int = 0  # host gradient bytes held at once by the updates
+    # Gradients that landed in their weight's bf16 copy (``landing_place``): no host bytes of their own.
+    landed_in_weight_copies: int = 0
+    # Parameters of this graph left to autograd and step(): another forward call of the step
+    # read them too, so their gradient comes in parts.
+    left_to_step: int = 0
     consumed_grad_bytes: int = 0  # gradients the updates consumed (never kept in param.grad)
 
 
@@ -384,9 +389,26 @@ class GradientLander(GradientSink):
         self._pending_bytes = 0
         self._updated: list[tuple[str | None, int]] = []  # (layer, parameters) done, in order
         self._on_device: set[int] = set()  # positions whose gradient the device averaged
+        self._lent: set[int] = set()  # positions whose gradient lands in its weight's bf16 copy
 
     def owns(self, position: int) -> bool:
         return position in self.params
+
+    def landing_place(self, position: int, like: torch.Tensor) -> torch.Tensor | None:
+        """Under bf16 a weight's gradient lands in the weight's own bf16 copy, which the update
+        reads and rewrites in one pass: the update is due with this very gradient (the lander
+        owns it) and nothing loads the old weight after it lands (loads read the weight as the
+        update leaves it, the same contract as rewriting the copy at all). Not with data
+        parallel: the reduction reads the landed gradients on its own schedule."""
+        if self.reducer is not None or like.dtype != torch.bfloat16 or not like.is_contiguous():
+            return None
+        p = self.params[position]
+        if like.shape != p.shape:
+            return None
+        place = self.device.weight_copies.lend(p)
+        if place is not None:
+            self._lent.add(position)
+        return place
 
     def before_offload(self, position: int, value: torch.Tensor, layer: str | None):
         """Data parallel, averaged on the device: starts the gradient's reduction before its
@@ -407,7 +429,7 @@ class GradientLander(GradientSink):
         if self._batch and layer != self._batch_layer:
             self._submit()
         # No gradient: the update skips the parameter (not this rank's); ``after`` is waited for there.
-        self._batch.append((self.params[position], None, after, None, True))
+        self._batch.append((self.params[position], None, after, None, True, 0))
         self._batch_layer = layer
 
     def take(self, position: int, host_grad: torch.Tensor, layer: str | None, ready=None) -> None:
@@ -417,11 +439,14 @@ class GradientLander(GradientSink):
         p = self.params[position]
         # A gradient accumulated by earlier micro-batches: eager's AccumulateGrad would add
         # this one to it; the worker does the same add once the copy has landed.
-        # The last field: the landed gradient is the ranks' average already (the device did it).
-        self._batch.append((p, host_grad, ready, p.grad, position in self._on_device))
+        # Then: whether the landed gradient is the ranks' average already (the device did it),
+        # and the host bytes it holds until its update (none in its weight's bf16 copy).
+        held = 0 if position in self._lent else host_grad.numel() * host_grad.element_size()
+        self._batch.append((p, host_grad, ready, p.grad, position in self._on_device, held))
         self._batch_layer = layer
         with self._lock:
-            self._pending_bytes += host_grad.numel() * host_grad.element_size()
+            self.stats.landed_in_weight_copies += position in self._lent
+            self._pending_bytes += held
             # What eager would keep in param.grad: the parameter's dtype (a bf16 copy taken
             # before its fp32 cast stands for an fp32 gradient).
             self.stats.consumed_grad_bytes += p.numel() * p.element_size()
@@ -433,8 +458,8 @@ class GradientLander(GradientSink):
         # Hyperparameters are read now, on the caller's thread: nothing can change them
         # before the step() this update stands for (that is what the bytecode check proved).
         groups: dict[int, list] = {}
-        for p, g, ready, prior, averaged in batch:
-            groups.setdefault(self._group_of[id(p)], []).append((p, g, ready, prior, averaged))
+        for item in batch:
+            groups.setdefault(self._group_of[id(item[0])], []).append(item)
         work = []
         for index, items in groups.items():
             group = self.opt.param_groups[index]
@@ -445,7 +470,7 @@ class GradientLander(GradientSink):
                          maximize=bool(group.get("maximize", False)))
             work.append((items, hyper))
         bucket = None
-        on_host = [(p, g, ready) for items, _ in work for p, g, ready, _, averaged in items if not averaged]
+        on_host = [(p, g, ready) for items, _ in work for p, g, ready, _, averaged, _ in items if not averaged]
         if self.reducer is not None and on_host:
             # Issued now, in the order layers land (the same on every rank); the bucket adds
             # what earlier micro-batches accumulated, as the update below would.
@@ -460,7 +485,8 @@ class GradientLander(GradientSink):
         with trace.span("host optimizer", f"adam[{layer}]", layer=layer, tensors=n, overlapped=True):
             for items, hyper in work:
                 grads = []
-                for _, g, ready, prior, on_device in items:
+                nbytes += sum(item[5] for item in items)
+                for _, g, ready, prior, on_device, _ in items:
                     if averaged is not None and not on_device:
                         grads.append(next(averaged))  # landed, accumulated and averaged already
                         continue
@@ -473,7 +499,6 @@ class GradientLander(GradientSink):
                     if ready is not None:
                         ready()  # CUDA: the gradient's copy to the host has finished
                     grads.append(g if prior is None else prior + g)
-                nbytes += sum(g.numel() * g.element_size() for g in grads if g is not None)
                 params = [item[0] for item in items]
                 if self._sharded is not None:  # this rank updates only its own shard
                     mine = [i for i, p in enumerate(params) if self._sharded.owns(p)]
