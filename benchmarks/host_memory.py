@@ -12,7 +12,7 @@ compiled step trims the C heap after each backward (option release_host_heap, on
 what the allocator still kept of freed memory.
 
     python benchmarks/host_memory.py [--layers 12] [--hidden 1024] [--budget 600MiB] [--steps 4]
-        [--keep-host-heap] [--out FILE]
+        [--keep-host-heap] [--gradients-in-landing-buffers] [--out FILE]
 """
 from __future__ import annotations
 
@@ -68,8 +68,16 @@ def main() -> int:
     p.add_argument("--lowering", default="eager", choices=("eager", "inductor"))
     p.add_argument("--keep-host-heap", action="store_true",
                    help="option release_host_heap=False: no malloc_trim after each backward")
+    p.add_argument("--gradients-in-landing-buffers", action="store_true",
+                   help="as before 2026-11-27: each bf16 gradient lands in host memory of its own, not in its "
+                        "weight's bf16 copy (for a side-by-side run)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.gradients_in_landing_buffers:
+        from megacompile.optimizer.overlap import GradientLander
+        from megacompile.runtime.gradient_sink import GradientSink
+
+        GradientLander.landing_place = GradientSink.landing_place  # the default sink's: offers none
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sampler = PeakSampler()
@@ -119,6 +127,9 @@ def main() -> int:
         f"budget {args.budget}; AdamW; options {options}",
         f"last_report(): host state {report.host_bytes_per_param:.2f} B/param "
         f"({', '.join(f'{k} {v / n:.2f}' for k, v in report.host_bytes.items())})",
+        *([f"host optimizer: {report.optimizer['landed_in_weight_copies']} gradients landed in their weight's bf16 "
+           f"copy; peak {report.optimizer['peak_pending_grad_bytes'] / n:.2f} B/param of gradients held for updates"]
+          if report.optimizer else []),
         f"RSS before the model: {base / 2**30:.2f} GiB; columns in bytes per parameter above it",
         "",
         f"{'phase':<24}{'RSS after':>10}{'RSS peak':>10}{'device peak':>13}  optimizer overlapped",
