@@ -133,6 +133,8 @@ def test_cuda_bf16_trains_like_cuda_autocast(name, budget_fraction):
         if k >= 2:  # steady state: the overlapped update wrote every copy, no load recast one
             assert copies.stats.made == before.made and copies.stats.recast == before.recast, (before, copies.stats)
             assert copies.stats.written_by_optimizer > before.written_by_optimizer
+            # Each copied weight's bf16 gradient landed in its copy (the copy's loads waited for first).
+            assert copies.stats.lent - before.lent == copies.stats.written_by_optimizer - before.written_by_optimizer
         with torch.autocast("cuda", dtype=torch.bfloat16):
             want = eager_step(x.cuda(), y.cuda()).item()
         print(f"{name} step {k}: megatrain {got:.8f} cuda autocast {want:.8f} rel {abs(got - want) / abs(want):.2e}")
