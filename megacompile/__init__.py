@@ -16,6 +16,7 @@ from megacompile.core import ops  # noqa: F401  (registers the megatrain op libr
 from megacompile.core.errors import (
     BudgetError,
     DataParallelError,
+    GradientOutsideGraphsError,
     HostMemoryError,
     MegacompileError,
     OptionsError,
@@ -34,7 +35,7 @@ __all__ = [
     "BudgetError", "DataParallelError", "MegacompileError", "data_parallel", "no_sync",
     "load_optimizer_state_dict", "optimizer_state_dict",
     "compiled_graphs", "forget_weight_copies", "Options", "OptionsError",
-    "HostMemoryError", "PartialUpdateError",
+    "GradientOutsideGraphsError", "HostMemoryError", "PartialUpdateError",
     "PlacementError", "StepReport", "last_report", "mark_repeated_layers", "megatrain", "parse_options",
     "trace_runtime", "unmark_repeated_layers", "UnsupportedStepError",
 ]

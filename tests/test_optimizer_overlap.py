@@ -197,6 +197,46 @@ def test_a_weight_whose_gradient_comes_in_parts_is_updated_once_with_all_of_it(c
         assert not any(r["overlapped"] for r in reports) and "another forward call" in reports[-1]["reason"]
 
 
+@torch._dynamo.disable
+def _eager_matmul(h, weight):
+    return h @ weight.t()
+
+
+class _WeightAlsoReadByEagerCode(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.inner(x))
+        return self.head(torch.relu(h + _eager_matmul(h, self.inner.weight)))
+
+
+def test_a_weight_eager_code_also_reads_raises_once_then_is_left_to_step():
+    """Code outside the compiled graphs adds to a weight's gradient after the overlapped update
+    used the graphs' part: that step raises ``GradientOutsideGraphsError`` naming it (it was a
+    silent divergence from eager before), and from then on the weight is left to step():
+    later steps equal eager."""
+    model, reference = pair(_WeightAlsoReadByEagerCode)
+    compiled = torch.compile(model, backend="megatrain", options=OPTIONS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    data = batches(3)
+    with pytest.raises(megacompile.GradientOutsideGraphsError, match="outside the compiled graphs") as caught:
+        eager_step(compiled, opt, *data[0])  # (the stock loop: the optimizer overlaps)
+    assert caught.value.shapes == [(64, 64)]
+    opt.zero_grad()
+    # From the state the failed step left, training goes on as eager's would.
+    reference.load_state_dict(model.state_dict())
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (loading shares the tensors)
+    for x, y in data[1:]:
+        loss = eager_step(compiled, opt, x, y)
+        report = optimizer_report()
+        torch.testing.assert_close(loss, eager_step(reference, ref_opt, x, y), rtol=LOSS_RTOL, atol=0)
+        assert_same(model, reference)
+        assert report["overlapped"] and report["left_to_step"] == 1, report
+
+
 def eager_step_of(loss_of, model, opt, x, y):
     loss = loss_of(model, x, y)
     loss.backward()

@@ -418,11 +418,11 @@ class TrainingCompiler:
         # gradient in parts, which autograd sums before it accumulates them: it is left to
         # autograd and updated by step() itself, after the backward.
         others = RECORDER.params_shared_with_other_calls(self.record)
-        shared = [pos for pos, p in params.items() if id(p) in others]
+        shared = [pos for pos, p in params.items() if id(p) in others or overlap.gets_gradient_from_outside(p)]
         if shared and syncing:
             return without_overlap(f"{len(shared)} parameter(s) of this graph are read by another forward call "
                                    "of the step (data parallel: their gradients are averaged after it)")
-        params = {pos: p for pos, p in params.items() if id(p) not in others}
+        params = {pos: p for pos, p in params.items() if pos not in shared}
         if not params:
             return without_overlap("every parameter of this graph is read by another forward call of the step: "
                                    "their gradients come in parts, summed by autograd for step()")

@@ -57,6 +57,17 @@ class PartialUpdateError(MegacompileError, RuntimeError):
         self.error = error
 
 
+class GradientOutsideGraphsError(MegacompileError, RuntimeError):
+    """The overlapped host optimizer updated parameters from the gradient megatrain's graphs
+    computed, and code outside them (eager code between graph breaks, a ``torch._dynamo.disable``
+    function) added more to it in the same backward: this step's update of those parameters is
+    not eager's. From now on megatrain leaves them to ``step()``. ``shapes``: theirs."""
+
+    def __init__(self, message: str, shapes: list[tuple[int, ...]]):
+        super().__init__(message)
+        self.shapes = shapes
+
+
 class HostMemoryError(MegacompileError, MemoryError):
     """The host cannot hold what megatrain is about to allocate (``core/host_memory.py``);
     raised before anything is allocated."""

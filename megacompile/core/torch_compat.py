@@ -451,6 +451,13 @@ def backward_keeps_graph() -> bool:
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
 
 
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` once the backward running on this thread has finished every node (the
+    whole ``loss.backward()``), before it returns; an error it raises is the backward's. The
+    engine's queue, as DDP and FSDP use it (nothing public does this)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def step_is_stock(opt: torch.optim.Optimizer) -> bool:
     """``opt.step`` is its class's step, possibly behind the LR scheduler's bookkeeping
     wrapper (which sets ``opt._opt_called`` and calls the class's step, nothing else)."""

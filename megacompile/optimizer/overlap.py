@@ -42,9 +42,11 @@ import weakref
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 import megacompile.runtime
 from megacompile.core import torch_compat as compat
+from megacompile.core.errors import GradientOutsideGraphsError
 from megacompile.core.host_memory import check_host_allocation
 from megacompile.optimizer.host_step import has_host_step, init_adam_state, kernel_available
 from megacompile.optimizer.ownership import fused_kernel_runs
@@ -321,6 +323,15 @@ def step_follows_backward(params: dict[int, torch.Tensor]) -> tuple[torch.optim.
     return opt, reason
 
 
+# Parameters that got gradient from outside megatrain's graphs after an overlapped update of
+# them (``GradientLander.check_whole_gradients``): left to step() from then on.
+_GRADIENT_FROM_OUTSIDE = WeakIdKeyDictionary()
+
+
+def gets_gradient_from_outside(p: torch.Tensor) -> bool:
+    return p in _GRADIENT_FROM_OUTSIDE
+
+
 # --- the updates ----------------------------------------------------------------------------
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -390,6 +401,12 @@ class GradientLander(GradientSink):
         self._updated: list[tuple[str | None, int]] = []  # (layer, parameters) done, in order
         self._on_device: set[int] = set()  # positions whose gradient the device averaged
         self._lent: set[int] = set()  # positions whose gradient lands in its weight's bf16 copy
+        self._updated_params: list[torch.Tensor] = []  # the parameters an update ran for
+        self._failed = False  # the program failed: its error is the one the backward raises
+        try:
+            compat.at_backward_end(self.check_whole_gradients)
+        except RuntimeError:  # (not inside an autograd backward: nothing else can add to them)
+            pass
 
     def owns(self, position: int) -> bool:
         return position in self.params
@@ -513,6 +530,7 @@ class GradientLander(GradientSink):
             self.stats.update_seconds += time.perf_counter() - start
             self.stats.updated_params += sum(len(items) for items, _ in work)
             self._updated.append((layer, sum(len(items) for items, _ in work)))
+            self._updated_params.extend(p for items, _ in work for p, *_ in items)
 
     def _fused_update(self, params: list[torch.Tensor], grads: list[torch.Tensor], hyper: dict) -> None:
         """One fused update; under bf16 the weights' copies that loads carry are rewritten in
@@ -537,6 +555,7 @@ class GradientLander(GradientSink):
         """Waits for every update (the backward returns only when parameters are current).
         After an error (``failed``) the layer still being collected is not updated, and
         ``param.grad`` is left as it was."""
+        self._failed = failed
         if self._batch and not failed:
             self._submit()
         self._batch, self._batch_layer = [], None
@@ -563,6 +582,27 @@ class GradientLander(GradientSink):
         for p in self.params.values():
             if p.grad is not None:
                 p.grad = None
+
+    def check_whole_gradients(self) -> None:
+        """At the end of the whole backward: a parameter updated here whose ``grad`` is set
+        again got gradient from outside megatrain's graphs (autograd sums that part with the
+        part this backward took, and the update already ran on the latter): raises, and
+        leaves such parameters to step() from then on. Parameters read by several graphs of
+        the step are left to step() before (``params_shared_with_other_calls``)."""
+        with self._lock:
+            late = [p for p in self._updated_params if p.grad is not None] if not self._failed else []
+        if not late:
+            return
+        for p in late:
+            _GRADIENT_FROM_OUTSIDE[p] = True
+        shapes = [tuple(p.shape) for p in late]
+        raise GradientOutsideGraphsError(
+            f"megatrain: {len(late)} parameter(s) (shapes {shapes[:4]}{' ...' if len(shapes) > 4 else ''}) got "
+            f"gradient from code outside the compiled graphs (eager code between graph breaks, a "
+            f"torch._dynamo.disable function) after the overlapped optimizer had updated them from the graphs' "
+            f"part: this step's update of them differs from eager's (restore a checkpoint, or accept it). "
+            f"megatrain leaves them to optimizer.step() from now on; overlap_optimizer=False avoids this step's "
+            f"error too", shapes)
 
     def updated_before_failure(self) -> list[tuple[str | None, int]]:
         with self._lock:
