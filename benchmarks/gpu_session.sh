@@ -17,7 +17,9 @@
 #      (2.87 s predicted; the 3.23 s step of 2026-11-26 re-priced at 2.96 s): step, TFLOPS, RSS, the host thread's own
 #      work apart from its waits, and the host AdamW's in-step rate (2.87 G params/s then, 0.6x the calibrated idle
 #      rate; blocking events, query() before synchronize() and the lead bound may change it);
-#   3. the same 7B step with host_activation_budget=0 (activations on the device: the RSS target);
+#   3. the same 7B step with host_activation_budget=0 (activations on the device: the RSS target; since bb5578b bf16
+#      gradients land in their weights' bf16 copies, so the 3.3 GiB of landing buffers of 2026-11-27 should be gone:
+#      report.gradient_landing_bytes and optimizer["landed_in_weight_copies"]);
 #   4. megacompile calibrate (its host AdamW is megatrain's kernel now: against the in-step rate);
 #   5. the same at 8 layers, the depth of the peers' rows of 2026-11-24 (then "peers" on the same machine);
 #   6. the rest of tests/test_cuda.py in what is left, and tests/test_kernel_dtypes.py (its rule against CUDA's kernels).
