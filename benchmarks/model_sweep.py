@@ -12,6 +12,7 @@ where MKL's is 1 ulp off for some elements, which bf16 would amplify), the large
     python benchmarks/model_sweep.py --precision bf16 --autocast-in-step   # the step's own autocast region
     python benchmarks/model_sweep.py --at-minimum        # each at the smallest budget its planner accepts
     python benchmarks/model_sweep.py --at-minimum --cases dbrx --calls-before-backward 8
+    python benchmarks/model_sweep.py --precision fp32 --overlap-optimizer   # updates overlapped with the backward
 
 Parameters can differ by Adam's normalised noise where a true gradient is zero (attention key
 biases), so losses are the comparison; a fallback or an error is what the sweep looks for.
@@ -397,6 +398,8 @@ def run_case(name: str, precision: str, args) -> str:
         options["token_chunks"] = args.token_chunks
     if args.calls_before_backward > 1:
         options["calls_before_backward"] = args.calls_before_backward
+    if args.overlap_optimizer:
+        options["overlap_optimizer"] = True
     options.update(CASE_OPTIONS.get(name, {}))
     make = _step_of(loss_of, args.gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False),
                     args.autocast_in_step and precision == "bf16")
@@ -435,8 +438,13 @@ def run_case(name: str, precision: str, args) -> str:
         over = measured is not None and measured > options["memory_budget"]
         at = (f"  at {options['memory_budget']} B, peak "
               f"{'not measured' if measured is None else f'{measured} B'}{' OVER' if over else ''}")
+    overlap = ""
+    if args.overlap_optimizer and report is not None and report.optimizer is not None:
+        o = report.optimizer
+        overlap = (f"  overlapped: {o['updated_params']} params, {o.get('left_to_step', 0)} left to step()"
+                   if o["overlapped"] else f"  not overlapped: {o['reason'][:80]}")
     return (f"{name:14s} {precision:5s} loss {worst:8.1e}  params {params:8.1e}  "
-            f"{time.perf_counter() - started:5.1f} s{at}  plan: {report.policy if report else '-'}"
+            f"{time.perf_counter() - started:5.1f} s{at}{overlap}  plan: {report.policy if report else '-'}"
             + (f"  WARNING {fallbacks}" if fallbacks else ""))
 
 
@@ -492,6 +500,8 @@ def main() -> None:
                    help="bf16: the step opens its own torch.autocast region (Dynamo traces the model under it)")
     p.add_argument("--calls-before-backward", type=int, default=1,
                    help="option calls_before_backward (DBRX: its per-expert graph runs 8 times before the backward)")
+    p.add_argument("--overlap-optimizer", action="store_true",
+                   help="option overlap_optimizer=True: the host AdamW updates each layer as its gradients land")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--at-minimum", action="store_true",
                    help="train at the smallest budget the planner accepts (from BudgetError), not at the case's fraction")
