@@ -423,7 +423,7 @@ class TrainingCompiler:
             return without_overlap(f"{len(shared)} parameter(s) of this graph are read by another forward call "
                                    "of the step (data parallel: their gradients are averaged after it)")
         params = {pos: p for pos, p in params.items() if pos not in shared}
-        if not params:
+        if shared and not params:
             return without_overlap("every parameter of this graph is read by another forward call of the step: "
                                    "their gradients come in parts, summed by autograd for step()")
         opt, reason = overlap.step_follows_backward(params)
