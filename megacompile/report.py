@@ -281,6 +281,7 @@ class StepRecorder:
             device.tracker.reset_peak()
             device.host_staging.reset_peak()
             self._current = {"graphs": [compiled], "held_at_start": [0], "peaks": [need], "calls": [1],
+                             "params_read": [],
                              "device": device,
                              "awaiting_backward": [_Call(compiled, end_bytes)] if compiled.backward is not None else [],
                              "host_graphs": [], "optimizer": None, "overlap": None,
@@ -300,20 +301,25 @@ class StepRecorder:
                     cur["awaiting_backward"].remove(call)
                 self._update()
 
-    def params_shared_with_other_calls(self, compiled) -> set[int]:
-        """Ids of the parameters that another forward call of the running step read besides the
-        one of ``compiled`` whose backward is starting: another graph's, or all of
-        ``compiled``'s where it ran more than once. Autograd sums the parts of such a
-        gradient before it accumulates it (whichever backward runs first), so no one
-        backward's part is the gradient the update needs."""
+    def forward_read(self, compiled, params: list[torch.Tensor]) -> None:
+        """The forward call of ``compiled`` that just started reads ``params`` (a graph may run
+        with other tensors than it was compiled with: the same code for each layer)."""
+        with self._lock:
+            if self._current is not None:
+                self._current["params_read"].append((compiled, {id(p) for p in params}))
+
+    def gradient_parts(self, compiled) -> tuple[int, set[int]]:
+        """For the backward of ``compiled`` that is starting: how many times its forward ran in
+        the running step, and the ids of the parameters the step's calls of other graphs read.
+        Autograd sums the parts a parameter's gradient gets from several backward calls before it
+        accumulates them, so no one call holds such a gradient whole; and a graph run more than
+        once cannot tell which call's parameters this backward's gradients are for."""
         with self._lock:
             cur = self._current
             if cur is None or compiled not in cur["graphs"]:
-                return set()
-            shared = {id(p) for g in cur["graphs"] if g is not compiled for p in g.params()}
-            if cur["calls"][cur["graphs"].index(compiled)] > 1:
-                shared |= {id(p) for p in compiled.params()}
-            return shared
+                return 1, set()
+            calls = cur["calls"][cur["graphs"].index(compiled)]
+            return calls, {i for g, ids in cur["params_read"] if g is not compiled for i in ids}
 
     @staticmethod
     def _held(cur: dict) -> int:

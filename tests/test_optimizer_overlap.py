@@ -194,7 +194,7 @@ def test_a_weight_whose_gradient_comes_in_parts_is_updated_once_with_all_of_it(c
     if case.startswith("weight"):  # the shared weight and bias wait for step(); the graph's others overlap
         assert all(r["overlapped"] and r["left_to_step"] == 2 for r in reports), reports
     else:  # every parameter is read by both calls
-        assert not any(r["overlapped"] for r in reports) and "another forward call" in reports[-1]["reason"]
+        assert not any(r["overlapped"] for r in reports) and "ran 2 times before its backward" in reports[-1]["reason"]
 
 
 @torch._dynamo.disable

@@ -347,7 +347,9 @@ class TrainingCompiler:
 
         def observe(args: list) -> None:
             self.param_inputs.observe(args)
-            self.eager_watch.forward_starting(self.param_inputs.tensors())
+            params = self.param_inputs.tensors()
+            RECORDER.forward_read(self.record, list(params.values()))
+            self.eager_watch.forward_starting(params)
 
         program.observe_inputs = observe
         return program
@@ -413,19 +415,24 @@ class TrainingCompiler:
                                         "computes on the host cores the updates would use)")
         if group is not None and not group.sync:
             return without_overlap("inside megacompile.no_sync(): gradients accumulate locally")
-        # A parameter another forward call of this step also read (a weight used on both sides of
-        # a graph break, a graph run on several micro-batches before one backward) gets its
-        # gradient in parts, which autograd sums before it accumulates them: it is left to
-        # autograd and updated by step() itself, after the backward.
-        others = RECORDER.params_shared_with_other_calls(self.record)
+        # A graph run more than once before its backward (micro-batches summed, a graph break in
+        # per-layer or per-expert code) gets each parameter's gradient in parts, and ``param_inputs``
+        # holds only its last call's parameters: it does not overlap. A parameter another graph's
+        # call read too (a weight on both sides of a graph break) gets its gradient in parts: it is
+        # left to autograd and step(), after the backward (autograd sums the parts before it
+        # accumulates them).
+        calls, others = RECORDER.gradient_parts(self.record)
+        if calls > 1:
+            return without_overlap(f"this graph ran {calls} times before its backward: its parameters' gradients "
+                                   "come in parts, summed by autograd for step()")
         shared = [pos for pos, p in params.items() if id(p) in others or overlap.gets_gradient_from_outside(p)]
         if shared and syncing:
-            return without_overlap(f"{len(shared)} parameter(s) of this graph are read by another forward call "
-                                   "of the step (data parallel: their gradients are averaged after it)")
+            return without_overlap(f"{len(shared)} parameter(s) of this graph are read by another graph of the step "
+                                   "(data parallel: their gradients are averaged after it)")
         params = {pos: p for pos, p in params.items() if pos not in shared}
         if shared and not params:
-            return without_overlap("every parameter of this graph is read by another forward call of the step: "
-                                   "their gradients come in parts, summed by autograd for step()")
+            return without_overlap("every parameter of this graph is read by another graph of the step: their "
+                                   "gradients come in parts, summed by autograd for step()")
         opt, reason = overlap.step_follows_backward(params)
         if syncing and group.shards_optimizer:
             # Overlapped or not, the ranks share updated parameters differently (per layer from

@@ -515,7 +515,8 @@ class GradientLander(GradientSink):
                         continue
                     if ready is not None:
                         ready()  # CUDA: the gradient's copy to the host has finished
-                    grads.append(g if prior is None else prior + g)
+                    # (contiguous: the kernel's layout; a gradient may land strided like its weight's view)
+                    grads.append((g if prior is None else prior + g).contiguous())
                 params = [item[0] for item in items]
                 if self._sharded is not None:  # this rank updates only its own shard
                     mine = [i for i, p in enumerate(params) if self._sharded.owns(p)]
