@@ -237,6 +237,44 @@ def test_a_weight_eager_code_also_reads_raises_once_then_is_left_to_step():
         assert report["overlapped"] and report["left_to_step"] == 1, report
 
 
+class _ChannelsLastDownsample(torch.nn.Module):
+    """A strided conv over a channels-last input (ConvNeXt's downsampling): the CPU kernel
+    returns its weight's gradient channels-last, strided unlike the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down, self.head = torch.nn.Conv2d(16, 32, 2, stride=2), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(self.down(x.contiguous(memory_format=torch.channels_last)).mean((2, 3)))
+
+
+def test_a_gradient_that_lands_strided_unlike_its_weight_is_updated(monkeypatch):
+    """The fused kernel reads contiguous gradients; a landed gradient laid out otherwise (here
+    channels-last) is made contiguous first. It raised inside the update before (ConvNeXt,
+    SegFormer and Funnel in benchmarks/model_sweep.py with the optimizer overlapped)."""
+    strided = []
+    take = overlap.GradientLander.take
+
+    def spy(self, position, host_grad, layer, ready=None):
+        strided.append(not host_grad.is_contiguous())
+        return take(self, position, host_grad, layer, ready)
+
+    monkeypatch.setattr(overlap.GradientLander, "take", spy)
+    model, reference = pair(_ChannelsLastDownsample)
+    compiled = torch.compile(model, backend="megatrain", options=OPTIONS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x, y = torch.randn(2, 16, 8, 8, generator=gen), torch.randn(2, 8, generator=gen)
+        torch.testing.assert_close(eager_step(compiled, opt, x, y), eager_step(reference, ref_opt, x, y),
+                                   rtol=LOSS_RTOL, atol=0)
+        assert_same(model, reference)
+        assert optimizer_report()["overlapped"]
+    assert any(strided)  # the case really arose
+
+
 def eager_step_of(loss_of, model, opt, x, y):
     loss = loss_of(model, x, y)
     loss.backward()
