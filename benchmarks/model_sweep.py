@@ -441,7 +441,9 @@ def run_case(name: str, precision: str, args) -> str:
     overlap = ""
     if args.overlap_optimizer and report is not None and report.optimizer is not None:
         o = report.optimizer
+        landed = o.get("landed_in_weight_copies", 0)
         overlap = (f"  overlapped: {o['updated_params']} params, {o.get('left_to_step', 0)} left to step()"
+                   + (f", {landed} gradients landed in their bf16 copies" if landed else "")
                    if o["overlapped"] else f"  not overlapped: {o['reason'][:80]}")
     return (f"{name:14s} {precision:5s} loss {worst:8.1e}  params {params:8.1e}  "
             f"{time.perf_counter() - started:5.1f} s{at}{overlap}  plan: {report.policy if report else '-'}"
