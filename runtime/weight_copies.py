@@ -110,7 +110,9 @@ class WeightCopies:
             found = []
             for p in params:
                 e = self._copies.get(p)
-                found.append(e.tensor if e is not None and e.lent else getattr(self._current(p), "tensor", None))
+                if e is not None and not e.lent:
+                    e = self._current(p)
+                found.append(e.tensor if e is not None else None)
             return found
 
     def lend(self, weight: torch.Tensor) -> torch.Tensor | None:

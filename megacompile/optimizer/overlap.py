@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -347,6 +347,17 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
         return _POOL
 
 
+class _Landed(NamedTuple):
+    """One gradient of a layer's batch, as the update takes it."""
+
+    param: torch.Tensor
+    grad: torch.Tensor | None  # None: reduced to the rank that owns the parameter (not this one)
+    ready: Any  # blocks until the gradient's copy has landed (None: it has)
+    prior: torch.Tensor | None  # what earlier micro-batches accumulated in param.grad
+    averaged: bool  # the device averaged it across the ranks already
+    held_bytes: int  # host bytes it holds until its update (none in its weight's bf16 copy)
+
+
 @dataclasses.dataclass
 class OverlapStats:
     """What the last backward did with the optimizer (``last_report().optimizer``)."""
@@ -446,7 +457,7 @@ class GradientLander(GradientSink):
         if self._batch and layer != self._batch_layer:
             self._submit()
         # No gradient: the update skips the parameter (not this rank's); ``after`` is waited for there.
-        self._batch.append((self.params[position], None, after, None, True, 0))
+        self._batch.append(_Landed(self.params[position], None, after, None, True, 0))
         self._batch_layer = layer
 
     def take(self, position: int, host_grad: torch.Tensor, layer: str | None, ready=None) -> None:
@@ -456,10 +467,8 @@ class GradientLander(GradientSink):
         p = self.params[position]
         # A gradient accumulated by earlier micro-batches: eager's AccumulateGrad would add
         # this one to it; the worker does the same add once the copy has landed.
-        # Then: whether the landed gradient is the ranks' average already (the device did it),
-        # and the host bytes it holds until its update (none in its weight's bf16 copy).
         held = 0 if position in self._lent else host_grad.numel() * host_grad.element_size()
-        self._batch.append((p, host_grad, ready, p.grad, position in self._on_device, held))
+        self._batch.append(_Landed(p, host_grad, ready, p.grad, position in self._on_device, held))
         self._batch_layer = layer
         with self._lock:
             self.stats.landed_in_weight_copies += position in self._lent
@@ -476,7 +485,7 @@ class GradientLander(GradientSink):
         # before the step() this update stands for (that is what the bytecode check proved).
         groups: dict[int, list] = {}
         for item in batch:
-            groups.setdefault(self._group_of[id(item[0])], []).append(item)
+            groups.setdefault(self._group_of[id(item.param)], []).append(item)
         work = []
         for index, items in groups.items():
             group = self.opt.param_groups[index]
@@ -487,7 +496,7 @@ class GradientLander(GradientSink):
                          maximize=bool(group.get("maximize", False)))
             work.append((items, hyper))
         bucket = None
-        on_host = [(p, g, ready) for items, _ in work for p, g, ready, _, averaged, _ in items if not averaged]
+        on_host = [(i.param, i.grad, i.ready) for items, _ in work for i in items if not i.averaged]
         if self.reducer is not None and on_host:
             # Issued now, in the order layers land (the same on every rank); the bucket adds
             # what earlier micro-batches accumulated, as the update below would.
@@ -502,7 +511,7 @@ class GradientLander(GradientSink):
         with trace.span("host optimizer", f"adam[{layer}]", layer=layer, tensors=n, overlapped=True):
             for items, hyper in work:
                 grads = []
-                nbytes += sum(item[5] for item in items)
+                nbytes += sum(item.held_bytes for item in items)
                 for _, g, ready, prior, on_device, _ in items:
                     if averaged is not None and not on_device:
                         grads.append(next(averaged))  # landed, accumulated and averaged already
@@ -517,7 +526,7 @@ class GradientLander(GradientSink):
                         ready()  # CUDA: the gradient's copy to the host has finished
                     # (contiguous: the kernel's layout; a gradient may land strided like its weight's view)
                     grads.append((g if prior is None else prior + g).contiguous())
-                params = [item[0] for item in items]
+                params = [item.param for item in items]
                 if self._sharded is not None:  # this rank updates only its own shard
                     mine = [i for i, p in enumerate(params) if self._sharded.owns(p)]
                     params, grads = [params[i] for i in mine], [grads[i] for i in mine]
@@ -525,13 +534,13 @@ class GradientLander(GradientSink):
                     self._fused_update(params, grads, hyper)
             if self._sharded is not None:
                 # In layer order on every rank (one worker thread): the owners' new values.
-                share_updated(self._sharded, [p for items, _ in work for p, *_ in items], self.device.loads_done)
+                share_updated(self._sharded, [i.param for items, _ in work for i in items], self.device.loads_done)
         with self._lock:
             self._pending_bytes -= nbytes
             self.stats.update_seconds += time.perf_counter() - start
             self.stats.updated_params += sum(len(items) for items, _ in work)
             self._updated.append((layer, sum(len(items) for items, _ in work)))
-            self._updated_params.extend(p for items, _ in work for p, *_ in items)
+            self._updated_params.extend(i.param for items, _ in work for i in items)
 
     def _fused_update(self, params: list[torch.Tensor], grads: list[torch.Tensor], hyper: dict) -> None:
         """One fused update; under bf16 the weights' copies that loads carry are rewritten in
@@ -589,7 +598,7 @@ class GradientLander(GradientSink):
         again got gradient from outside megatrain's graphs (autograd sums that part with the
         part this backward took, and the update already ran on the latter): raises, and
         leaves such parameters to step() from then on. Parameters read by several graphs of
-        the step are left to step() before (``params_shared_with_other_calls``)."""
+        the step are left to step() before (``StepRecorder.gradient_parts``)."""
         with self._lock:
             late = [p for p in self._updated_params if p.grad is not None] if not self._failed else []
         if not late:
