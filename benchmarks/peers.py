@@ -15,7 +15,8 @@ weights and AdamW, each in its own process on the same GPU, one after the other:
 (one module per system in benchmarks/peer_systems/). A system that fails is listed with its
 error. The step time is the median of the steps after the first two (compile and warm-up);
 tokens/s and TFLOPS follow from it (6 x params x tokens, MegaTrain's formula, and with causal
-attention). Host memory is the peak resident set of the worker's process tree, sampled here.
+attention). Host memory: the worker's peak RSS, and its process tree's peak (the worker's RSS plus
+its descendants' PSS, e.g. Inductor's compile workers: ``host_memory_sample``), sampled here.
 
 Writes ``peers-<date>-<gpu>.json`` and a ``.txt`` table beside it; ``--merge-into`` adds this
 run's systems to an earlier file of the same workload (a device call is at most 10 minutes,
@@ -90,40 +91,68 @@ def run_worker(system: str, workload: Workload, result_path: str) -> int:
 
 # ----------------------------------------------------------------------------- driver side
 
-def _tree_rss_bytes(pid: int) -> int:
-    """Resident set of ``pid`` and its descendants, read from /proc (0 once they are gone)."""
-    total, stack = 0, [pid]
+def _status_bytes(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    found, stack = [], [pid]
     while stack:
         p = stack.pop()
         try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
-                    stack += [int(c) for c in f.read().split()]
+                    kids = [int(c) for c in f.read().split()]
+                found += kids
+                stack += kids
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-    return total
+    return found
+
+
+def host_memory_sample(pid: int) -> dict:
+    """The worker's resident set, and its process tree's: the worker's RSS plus each descendant's
+    proportional set size (PSS). A sum of RSS over the tree counts pages the processes share once per
+    process: Inductor's 16 compile workers, forked from one sidecar, came to 6.5 GiB of summed RSS on
+    the GPU machine (2026-11-27); PSS splits each shared page among its sharers. The worker's own PSS
+    is not read: /proc/PID/smaps_rollup walks the page tables of its ~100 GiB every time."""
+    sample = {"rss": 0, "tree": 0, "tree_rss_sum": 0}
+    try:
+        sample["rss"] = _status_bytes(pid, "VmRSS:")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return sample
+    sample["tree"] = sample["tree_rss_sum"] = sample["rss"]
+    for child in _descendants(pid):
+        try:
+            sample["tree_rss_sum"] += _status_bytes(child, "VmRSS:")
+            with open(f"/proc/{child}/smaps_rollup") as f:
+                sample["tree"] += next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+        except (FileNotFoundError, ProcessLookupError, PermissionError, StopIteration):
+            continue
+    return sample
 
 
 def run_system(system: str, workload: Workload, timeout_s: float, log_dir: str) -> dict:
-    """One system in its own process; its peak process-tree RSS is sampled every 0.2 s."""
+    """One system in its own process; its host memory (``host_memory_sample``) is sampled every 0.2 s."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
     log_path = os.path.join(log_dir, f"{system}.log")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system,
            "--workload", json.dumps(dataclasses.asdict(workload)), "--result", result_path]
     print(f"[peers {time.strftime('%H:%M:%S')}] {system} ...", file=sys.stderr, flush=True)
-    peak = [0]
+    peak = {"rss": 0, "tree": 0, "tree_rss_sum": 0}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         done = threading.Event()
 
         def sample():
             while not done.wait(0.2):
-                peak[0] = max(peak[0], _tree_rss_bytes(proc.pid))
+                for key, value in host_memory_sample(proc.pid).items():
+                    peak[key] = max(peak[key], value)
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
@@ -143,7 +172,10 @@ def run_system(system: str, workload: Workload, timeout_s: float, log_dir: str) 
         result = {"error": f"worker ended without a result (exit {code}; -9 is a kill, e.g. host out of "
                            f"memory): ...{tail}"}
     os.unlink(result_path) if os.path.exists(result_path) else None
-    result["host_rss_peak_bytes"] = peak[0]
+    # The worker's peak RSS as the kernel kept it (ru_maxrss) where it reported one: no sample misses it.
+    result["host_rss_peak_bytes"] = max(result.get("worker_maxrss_bytes") or 0, peak["rss"])
+    result["host_tree_peak_bytes"] = peak["tree"]
+    result["host_tree_rss_sum_peak_bytes"] = peak["tree_rss_sum"]
     result.setdefault("budget_bytes", workload.budget_bytes if system == "megatrain" else None)
     status = result["error"] or f"{result['step_s']:.3f} s/step, {result['tflops_6nt']:.1f} TFLOPS (6NT)"
     print(f"[peers {time.strftime('%H:%M:%S')}] {system}: {status}", file=sys.stderr, flush=True)
@@ -151,7 +183,7 @@ def run_system(system: str, workload: Workload, timeout_s: float, log_dir: str) 
 
 
 FIELDS = ("tokens_per_s", "tflops_6nt", "tflops_with_attention", "allocated_peak_bytes", "reserved_peak_bytes",
-          "budget_bytes", "host_rss_peak_bytes", "losses", "error")
+          "budget_bytes", "host_rss_peak_bytes", "host_tree_peak_bytes", "losses", "error")
 
 
 def table(doc: dict) -> str:
@@ -165,7 +197,7 @@ def table(doc: dict) -> str:
         f"command: {doc['command']}",
         "",
         f"{'system':<26}{'step s':>8}{'tokens/s':>10}{'TFLOPS 6NT':>11}{'w/ attn':>9}{'alloc GiB':>10}"
-        f"{'reserved':>9}{'host RSS':>9}  losses / error",
+        f"{'reserved':>9}{'host RSS':>9}{'tree':>7}  losses / error",
     ]
     for name in SYSTEMS:
         r = doc["systems"].get(name)
@@ -174,13 +206,14 @@ def table(doc: dict) -> str:
         gib = lambda v: f"{v / GiB:.1f}" if v else "-"  # noqa: E731
         if r.get("error"):
             lines.append(f"{name:<26}{'-':>8}{'-':>10}{'-':>11}{'-':>9}{gib(r.get('allocated_peak_bytes')):>10}"
-                         f"{gib(r.get('reserved_peak_bytes')):>9}{gib(r.get('host_rss_peak_bytes')):>9}  "
-                         f"ERROR {r['error'][:300]}")
+                         f"{gib(r.get('reserved_peak_bytes')):>9}{gib(r.get('host_rss_peak_bytes')):>9}"
+                         f"{gib(r.get('host_tree_peak_bytes')):>7}  ERROR {r['error'][:300]}")
             continue
         losses = " ".join(f"{v:.4f}" for v in r["losses"])
         lines.append(f"{name:<26}{r['step_s']:>8.3f}{r['tokens_per_s']:>10,.0f}{r['tflops_6nt']:>11.1f}"
                      f"{r['tflops_with_attention']:>9.1f}{gib(r.get('allocated_peak_bytes')):>10}"
-                     f"{gib(r.get('reserved_peak_bytes')):>9}{gib(r.get('host_rss_peak_bytes')):>9}  {losses}")
+                     f"{gib(r.get('reserved_peak_bytes')):>9}{gib(r.get('host_rss_peak_bytes')):>9}"
+                     f"{gib(r.get('host_tree_peak_bytes')):>7}  {losses}")
     ours = doc["systems"].get("megatrain")
     if ours and not ours.get("error"):
         lines.append("")
@@ -217,7 +250,9 @@ def table(doc: dict) -> str:
                          f"{ours['allocated_peak_bytes'] / ours['budget_bytes']:.2f}x, reserved peak "
                          f"{ours['reserved_peak_bytes'] / ours['budget_bytes']:.2f}x of it; host "
                          f"{m.get('host_bytes_per_param', 0):.1f} B/param by the report, RSS "
-                         f"{ours['host_rss_peak_bytes'] / doc['params']:.1f} B/param")
+                         f"{ours['host_rss_peak_bytes'] / doc['params']:.1f} B/param, its process tree "
+                         f"{(ours.get('host_tree_peak_bytes') or 0) / doc['params']:.1f} B/param (issue 17: RSS <= "
+                         f"14 B/param x N + 6 GiB = {(14 * doc['params'] + 6 * GiB) / GiB:.1f} GiB)")
     for name, r in doc["systems"].items():
         if not (r.get("notes") or r.get("wall_s")):  # listed above with its error only
             continue
