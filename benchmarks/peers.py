@@ -245,6 +245,13 @@ def table(doc: dict) -> str:
                 lines.append("  busy by kind: " + ", ".join(
                     f"{k} {t * 1e3:.0f} ms ({h['instructions'].get(k, 0)})"
                     for k, t in sorted(h["busy_s_by_kind"].items(), key=lambda kv: -kv[1])))
+        if m.get("compile_times") and ours.get("step_times"):
+            c, first = m["compile_times"], ours["step_times"][0]
+            parts = sum(v for k, v in c.items() if k.endswith("_s"))
+            lines.append(f"megatrain first step {first:.1f} s: capture (AOTAutograd) {c['capture_s']:.1f} s, planning "
+                         f"{c['planning_s']:.1f} s ({c['plans_built']} plans built), lowering {c['lowering_s']:.1f} s, "
+                         f"segments (Inductor) {c['segments_s']:.1f} s; the rest (Dynamo, the step's own work) "
+                         f"{first - parts:.1f} s")
         if ours.get("budget_bytes") and ours.get("allocated_peak_bytes"):
             lines.append(f"megatrain budget {ours['budget_bytes'] / GiB:.1f} GiB: allocated peak "
                          f"{ours['allocated_peak_bytes'] / ours['budget_bytes']:.2f}x, reserved peak "

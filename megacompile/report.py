@@ -89,6 +89,11 @@ class StepReport:
     # catch up and for how long, over the process so far (runtime/host_lead.HostLead: throttles,
     # throttled_seconds); None where work runs where it is issued (the CPU stand-in).
     host_lead: dict | None = None
+    # Where compiling the step's graphs went so far, wall seconds summed over its graphs
+    # (capture.records.CompileTimes, plus segments_s: Inductor compiling the programs' segments,
+    # which happens as the first step reaches each). Dynamo's own trace comes before the backend
+    # and is not in it.
+    compile_times: dict | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -147,6 +152,11 @@ class StepReport:
         if self.segments is not None and self.lowering == "inductor":
             lines.append(f"  compiled segments    {self.segments['compiled']} distinct, "
                          f"{self.segments['reused']} repeats reused them")
+        if self.compile_times:
+            c = self.compile_times
+            lines.append(f"  compile time         capture {c['capture_s']:.1f} s, planning {c['planning_s']:.1f} s "
+                         f"({c['plans_built']} plans built), lowering {c['lowering_s']:.1f} s"
+                         + (f", segments {c['segments_s']:.1f} s" if self.lowering == "inductor" else ""))
         header = (f"  {'layer':<28}{'params':>12}{'h2d':>12}{'d2h':>12}{'saved act':>12}{'recomp':>8}"
                   f"{'fwd peak':>12}{'bwd peak':>12}")
         lines.append(header)

@@ -15,6 +15,7 @@ only shared with segments reading the very same tensor.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import torch
@@ -128,6 +129,7 @@ def memory_order(x: torch.Tensor) -> tuple | None:
 class SegmentCacheStats:
     compiled: int = 0  # distinct segments compiled
     reused: int = 0  # segments served a compiled repeat
+    compile_seconds: float = 0.0  # wall time in the compiler (Inductor), all segments
 
 
 class SegmentCache:
@@ -144,7 +146,9 @@ class SegmentCache:
         if hit is not None:
             self.stats.reused += 1
             return hit
+        started = time.perf_counter()
         compiled = self.compile_fn(gm, inputs)
+        self.stats.compile_seconds += time.perf_counter() - started
         self._compiled[key] = compiled
         self.stats.compiled += 1
         return compiled

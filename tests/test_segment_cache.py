@@ -2,6 +2,7 @@
 all segments with the same structure and inputs (``runtime/segment_cache.py``), found in the
 rewritten graphs without any marking by the user."""
 import copy
+import time
 
 import pytest
 import torch
@@ -67,10 +68,19 @@ def test_segments_compiled_once_whatever_the_depth(monkeypatch):
 @pytest.mark.inductor
 def test_inductor_lowering_of_a_hugging_face_llama_with_labels():
     """Real Inductor kernels (C++ on CPU) for a 3-layer Llama trained from ``labels``: equal to
-    eager, and the middle layers compiled nothing of their own."""
+    eager, and the middle layers compiled nothing of their own. The report says where the
+    compile time went, each part measured once (they sum to less than the whole run)."""
+    started = time.perf_counter()
     report = _check_parity(3, {"device": "cpu", "lowering": "inductor"})
+    wall = time.perf_counter() - started
     assert report.segments["reused"] > 0
     assert "compiled segments" in str(report)
+    times = report.compile_times
+    assert times["plans_built"] >= 1, times
+    assert all(times[k] > 0 for k in ("capture_s", "planning_s", "lowering_s", "segments_s")), times
+    assert times["segments_s"] == report.segments["compile_seconds"]
+    assert sum(v for k, v in times.items() if k.endswith("_s")) < wall, (times, wall)
+    assert "compile time         capture" in str(report)
 
 
 def test_segment_structure_ignores_names_but_not_wiring():

@@ -80,6 +80,7 @@ def train(workload) -> dict:
             "h2d_bytes": report.h2d_bytes, "d2h_bytes": report.d2h_bytes,
             "optimizer": report.optimizer, "segments": report.segments,
             "graphs": report.graphs,
+            "compile_times": report.compile_times,
             "host_thread": host_thread,
         },
     }

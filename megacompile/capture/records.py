@@ -30,6 +30,15 @@ from megacompile.runtime.device import existing_device
 
 
 @dataclasses.dataclass
+class CompileTimes:
+    """Where compiling one graph went (wall seconds; ``StepReport.compile_times``)."""
+    capture_s: float = 0.0  # AOTAutograd's trace of the joint graph: the backend's start to the planner's
+    planning_s: float = 0.0  # the planner: every candidate plan built and priced
+    plans_built: int = 0
+    lowering_s: float = 0.0  # the chosen programs turned into streaming programs
+
+
+@dataclasses.dataclass
 class CompiledGraph:
     label: str
     options: Options
@@ -51,6 +60,7 @@ class CompiledGraph:
     # Where its backward ran with retain_graph=True: its peak with the saved activations held to the
     # end (``retained_graph.py``), which is what the device sees then; None where it never did.
     retained_backward_peak: int | None = None
+    compile_times: CompileTimes = dataclasses.field(default_factory=CompileTimes)
 
     @property
     def num_params(self) -> int:
@@ -155,6 +165,8 @@ class CompiledGraph:
                 if self.retained_backward_peak is not None else []),
             optimizer=overlap,
             segments=dataclasses.asdict(self.segment_stats) if self.segment_stats is not None else None,
+            compile_times={**dataclasses.asdict(self.compile_times),
+                           "segments_s": self.segment_stats.compile_seconds if self.segment_stats is not None else 0.0},
         )
 
 
@@ -219,7 +231,10 @@ def _merge_step_reports(graphs: list[CompiledGraph], reports: list[StepReport], 
                          f"+ that)")
     segments = None
     if any(r.segments for r in reports):
-        segments = {k: sum((r.segments or {}).get(k, 0) for r in reports) for k in ("compiled", "reused")}
+        segments = {k: sum((r.segments or {}).get(k, 0) for r in reports)
+                    for k in ("compiled", "reused", "compile_seconds")}
+    compile_times = {k: sum(r.compile_times.get(k, 0) for r in reports if r.compile_times)
+                     for k in first.compile_times or {}}
     return dataclasses.replace(
         first,
         policy=" | ".join(f"{g.label}: {r.policy}" for g, r in zip(graphs, reports)),
@@ -231,6 +246,7 @@ def _merge_step_reports(graphs: list[CompiledGraph], reports: list[StepReport], 
         host_bytes=host,
         host_bytes_per_param=sum(host.values()) / num_params if num_params else 0.0,
         segments=segments,
+        compile_times=compile_times or None,
     )
 
 

@@ -127,6 +127,7 @@ class TrainingCompiler:
         """``build(plan)`` for one joint graph: partition it under the plan, run the passes on
         both halves, estimate their memory."""
         def build(plan: TrainingPlan, snapshots: bool = False):
+            self.record.compile_times.plans_built += 1
             snapshots = snapshots and self.options.keeps_snapshots
             # Candidates are built without the inspect snapshots (formatting every graph after
             # every pass was a third of the planning time); where snapshots are kept (option
@@ -281,7 +282,9 @@ class TrainingCompiler:
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = self.captured_snapshots + chosen.snapshots
         records.add(self.record)
-        _log_plan(self.record, self.options, time.perf_counter() - started)
+        self.record.compile_times.capture_s = started - self.started
+        self.record.compile_times.planning_s = time.perf_counter() - started
+        _log_plan(self.record, self.options, self.record.compile_times.planning_s)
         return chosen.forward, chosen.backward
 
     def _with_merged_compute_runs(self, maker: PlanMaker, chosen: Attempt) -> Attempt:
@@ -471,7 +474,9 @@ class TrainingCompiler:
         self.record.plan, self.record.forward, self.record.snapshots = plan, gm, ctx.snapshots
         self.record.label += " (no backward)"
         records.add(self.record)
-        _log_plan(self.record, self.options, time.perf_counter() - started)
+        self.record.compile_times.capture_s = started - self.started
+        self.record.compile_times.planning_s = time.perf_counter() - started
+        _log_plan(self.record, self.options, self.record.compile_times.planning_s)
         # Glue without parameters (``loss.detach()``) belongs to the step around it.
         starts_step = "param" in self.input_roles
         return self.lower(gm, start_step=starts_step, record=self.record, part="forward")
@@ -606,7 +611,9 @@ def lower_with(options: Options, device):
               saved_from: int | None = None):
         started = time.perf_counter()
         program = _lower(gm, start_step=start_step, record=record, part=part, saved_from=saved_from)
-        log.info("%s %s: lowered (%s) in %.1f s", record.label, part, options.lowering, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        record.compile_times.lowering_s += seconds
+        log.info("%s %s: lowered (%s) in %.1f s", record.label, part, options.lowering, seconds)
         return program
 
     def _lower(gm: fx.GraphModule, *, start_step: bool, record: CompiledGraph, part: str, saved_from: int | None):
