@@ -1,4 +1,4 @@
-"""Planning repeated layers once: the candidate ladder priced on short copies of the step.
+"""Planning repeated layers once: the candidate plans priced on short copies of the step.
 
 The flat planner (``planner.plan_training``) builds each of its ~25 candidate plans over the
 whole joint graph, so under a tight budget planning grows with depth (each build partitions
@@ -7,11 +7,12 @@ and passes all N layers). When the layers are marked repeats that chain
 in every repeated layer, and each is built on two short copies of the step (3 and 4 layers:
 the first layers and the last one, with the glue). What one more layer adds (peak bytes,
 predicted seconds, recomputed ops) is the difference between the two, so a candidate's
-numbers at N layers are extrapolated linearly. The ladder (predicted time falls and recompute
-never rises as the peak grows) is drawn over those numbers; the highest rung whose
-extrapolated peak fits the budget is built over the full graph, once, and checked against the
-budget with the same estimate the flat planner uses. If it does not fit, the next rung down is
-built, and so on; after ``MAX_FULL_BUILDS`` misses the flat planner takes over. So the budget is
+numbers at N layers are extrapolated linearly (each copy priced with the host optimizer
+updating its own parameters, so that every lane grows with the layers as at full depth). The
+fastest candidate whose extrapolated peak fits the budget is built over the full graph, once,
+and checked against the budget with the same estimate the flat planner uses. If it does not
+fit, the next fastest is built, and so on; after ``MAX_FULL_BUILDS`` misses the flat planner
+takes over. So the budget is
 never trusted to an extrapolation: the plan that runs is one whose full-depth build fits.
 
 Where keeping every activation fits (by the extrapolation), the flat planner is used: it
@@ -30,7 +31,7 @@ import torch.fx as fx
 from megacompile.core.node_info import BODY_NODE
 from megacompile.core.units import format_bytes
 from megacompile.plan.depth_extrapolation import extend_to_depth, per_layer_from_two_depths
-from megacompile.plan.flat_planner import Attempt, PlanMaker, ladder_of, saved_groups, solver_mixes
+from megacompile.plan.flat_planner import Attempt, PlanMaker, saved_groups, solver_mixes
 from megacompile.plan.solvers import SOLVERS, Option
 from megacompile.plan.training_plan import PlanSpec
 
@@ -38,7 +39,7 @@ from megacompile.plan.training_plan import PlanSpec
 DEPTHS = (3, 4)
 # Chains at least this long are planned on the template (option plan_repeats).
 MIN_LAYERS = {"auto": 8, "template": DEPTHS[-1] + 1}
-# Rungs whose extrapolated peak fits that are built over the full graph (highest first)
+# Candidates whose extrapolated peak fits that are built over the full graph (fastest first)
 # before the flat planner takes over.
 MAX_FULL_BUILDS = 3
 
@@ -142,6 +143,19 @@ def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Te
     return specs
 
 
+def fastest_fitting(priced: list[Priced], budget: int, host_budget: int | None) -> list[Priced]:
+    """The candidates whose extrapolated peak fits the budget (and their host bytes the host's),
+    fastest first; ties go to the one that recomputes less, then to the smaller peak.
+
+    Not the highest fitting rung of the flat planner's ladder, along which the recompute count
+    may only fall as the peak grows: where the smallest plan offloads every activation (few
+    recomputes, bound by the host link), recompute-all never made that ladder, and Llama-2-7B in
+    bf16 at 60 GiB got an offloading plan predicted at 8.2 s where recompute-all's is 3.1."""
+    fitting = [p for p in priced
+               if p.peak <= budget and (host_budget is None or p.host_activation_bytes <= host_budget)]
+    return sorted(fitting, key=lambda p: (p.seconds, p.recomputed, p.peak))
+
+
 def _deeper_prefetch_may_pay(rung: Priced, template: Template) -> bool:
     """Whether the rung's deeper-prefetch variant is worth a build over the full graph: on the
     longer short copy, some load stalls the compute lane and prefetching it one layer further
@@ -169,11 +183,7 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: 
     template_floor = min(p.attempts[-1].peak for p in priced)
     mixes = _uniform_mixes(keep, floor, template_floor, templates[-1], profile, options, n)
     priced += [_price(spec, templates, n) for spec in mixes]
-    host_budget = options.host_activation_budget
-    on_host = [p for p in priced if host_budget is None or p.host_activation_bytes <= host_budget]
-    ladder = ladder_of(on_host, lambda c: (c.peak, c.seconds, c.recomputed))
-    fitting = [p for p in ladder if p.peak <= budget]
-    for rung in reversed(fitting[-MAX_FULL_BUILDS:]):
+    for rung in fastest_fitting(priced, budget, options.host_activation_budget)[:MAX_FULL_BUILDS]:
         # Built with inspect's snapshots: it is most likely the plan that runs, and capture
         # would otherwise build it a second time to take them.
         attempt = rung.spec.build(full, full_joint, snapshots=True)
