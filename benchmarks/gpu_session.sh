@@ -9,7 +9,8 @@
 # and its needs: `bash benchmarks/prepare_device.sh [--peers]` fills it, here; this script installs
 # .whl/*.whl into /tmp/site there.
 #
-# "next" (default, at most 585 s; what the second session of 2026-11-26 left unmeasured):
+# "next" (default, at most 585 s; what the second session of 2026-11-26 left unmeasured; peers.py now reports the
+#   worker's own peak RSS and its process tree's with descendants by PSS, and the first step's compile_times):
 #   1. tests/test_cuda.py -k host_lead: the bound on the host's lead (option host_lead_layers, new, never run on a GPU);
 #   2. issue 17 at its target shape: megatrain alone, Llama-2-7B's 32 layers, 8 x 4096 tokens, 60 GiB, with the host's
 #      lead bounded (RSS: landing buffers of 18 layers' gradients were 7.65 GiB), the planner's streamed mixes above
