@@ -150,8 +150,7 @@ def fastest_fitting(priced: list[Priced], budget: int, host_budget: int | None) 
     Not the highest fitting rung of the flat planner's ladder, along which the recompute count
     may only fall as the peak grows: where the smallest plan offloads every activation (few
     recomputes, bound by the host link), recompute-all never made that ladder, and a far slower
-    offloading mix was built instead (Llama-2-7B in bf16:
-    benchmarks/results/runtime_plan-2026-11-27-cpu-2core-amd-epyc-llama2-7b-template.txt)."""
+    offloading mix was built instead (Llama-2-7B in bf16; docs/results.md)."""
     fitting = [p for p in priced
                if p.peak <= budget and (host_budget is None or p.host_activation_bytes <= host_budget)]
     return sorted(fitting, key=lambda p: (p.seconds, p.recomputed, p.peak))
