@@ -138,17 +138,17 @@ def test_template_plan_is_as_fast_as_the_flat_planners():
     assert template.predicted_seconds <= flat.predicted_seconds * 1.05
 
 
-def _planned_on_h200(fraction: float):
-    """As ``_planned(6, fraction, "template")`` with the H200 profile, whose lane simulation
-    shows loads stalling the compute lane (the CPU stand-in's copies are synchronous)."""
+def _planned_on_h200(fraction: float, depth: int = 6, hardware: str = "h200", **options):
+    """As ``_planned(depth, fraction, "template")`` with the H200 profile (or ``hardware``), whose
+    lane simulation shows loads stalling the compute lane (the CPU stand-in's copies are synchronous)."""
     torch.manual_seed(0)
-    model = Net(6)
+    model = Net(depth)
     megacompile.mark_repeated_layers(model)
     step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
     compat.reset_dynamo()
     compiled = torch.compile(step, backend="megatrain", options={
         "device": "cpu", "lowering": "eager", "memory_budget": int(training_state_bytes(model) * fraction),
-        "plan_repeats": "template", "hardware": "h200"})
+        "plan_repeats": "template", "hardware": hardware, **options})
     compiled(*_batch(torch.Generator().manual_seed(1)))
     return _plan_of_last_compile()
 
@@ -296,16 +296,7 @@ def test_the_extrapolated_step_time_is_the_full_builds(tmp_path):
 
     slow_host = dataclasses.replace(get_profile("h200"), name="h200, slow host AdamW", host_adamw_params_per_s=5e8)
     (tmp_path / "profile.json").write_text(profile_to_json(slow_host))
-    torch.manual_seed(0)
-    model = Net(12)
-    megacompile.mark_repeated_layers(model)
-    step, _ = make_training_step(model, F.mse_loss, lr=1e-2)
-    compat.reset_dynamo()
-    compiled = torch.compile(step, backend="megatrain", options={
-        "device": "cpu", "lowering": "eager", "memory_budget": int(training_state_bytes(model) * 0.3),
-        "plan_repeats": "template", "hardware": str(tmp_path / "profile.json"), "overlap_optimizer": True})
-    compiled(*_batch(torch.Generator().manual_seed(1)))
-    plan = _plan_of_last_compile()
+    plan = _planned_on_h200(0.3, depth=12, hardware=str(tmp_path / "profile.json"), overlap_optimizer=True)
     assert plan.template is not None, plan.reason
     assert plan.template["extrapolated_seconds"] == pytest.approx(plan.predicted_seconds, rel=0.02)
 
