@@ -104,7 +104,10 @@ class StreamingDevice:
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """A host buffer of exactly ``nbytes`` (uint8) kept across steps: an offload arena."""
         check_host_allocation(nbytes, "the host buffer offloaded activations land in (one per forward "
-                                      "whose backward has not run yet)")
+                                      "whose backward has not run yet)",
+                              "Set option host_activation_budget below what is available (0 keeps every "
+                              "activation on the device): the planner then takes the fastest plan within "
+                              "memory_budget that puts no more on the host. Or free host memory")
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         self.host_buffer_bytes += nbytes
         weakref.finalize(buffer, self._host_buffer_freed, nbytes)

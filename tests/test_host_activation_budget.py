@@ -14,7 +14,7 @@ from reference_models import _xent, make_training_step, train_side_by_side
 from test_streamed_mixes import _batches, _model  # the same small GPT and batches
 
 from megacompile.capture import records
-from megacompile.core.errors import BudgetError, OptionsError
+from megacompile.core.errors import BudgetError, HostMemoryError, OptionsError
 from megacompile.options import parse_options
 from megacompile.plan import flat_planner
 
@@ -62,12 +62,16 @@ def _host_bytes(record) -> int:
     return flat_planner.Attempt(record.plan, record.forward, record.backward, []).host_activation_bytes
 
 
-def test_a_zero_cap_takes_the_fastest_plan_that_keeps_activations_on_the_device(built):
+def _offloading_budget(built) -> tuple[int, "flat_planner.Attempt"]:
+    """A budget where every plan faster than recompute-all offloads something, and recompute-all."""
     recompute_all = next(a for a in built if a.plan.policy == "recompute (all layers)")
     assert recompute_all.host_activation_bytes == 0
-    # A budget where every plan faster than recompute-all offloads something.
     on_device_above = min(a.peak for a in built if a.host_activation_bytes == 0 and a.peak > recompute_all.peak)
-    budget = max(a.peak for a in built if a.host_activation_bytes > 0 and a.peak < on_device_above)
+    return max(a.peak for a in built if a.host_activation_bytes > 0 and a.peak < on_device_above), recompute_all
+
+
+def test_a_zero_cap_takes_the_fastest_plan_that_keeps_activations_on_the_device(built):
+    budget, recompute_all = _offloading_budget(built)
 
     default = _train(budget)
     assert _host_bytes(default) > 0, default.plan.policy
@@ -202,3 +206,26 @@ def test_option_parsing():
     for bad in (-1, True, "lots"):
         with pytest.raises(OptionsError, match="host_activation_budget"):
             parse_options({"device": "cpu", "host_activation_budget": bad})
+
+
+def test_a_host_that_cannot_hold_the_offloaded_activations_is_told_to_cap_them(built, monkeypatch):
+    """The plan's host buffer for offloaded activations is checked against the host's available
+    memory before it is allocated: the error names the option that fixes it, nothing has run,
+    and the step planned with that option trains."""
+    from megacompile.core import host_memory
+
+    budget, _ = _offloading_budget(built)
+    model = _model()
+    step, _ = make_training_step(model, _xent)
+    before = copy.deepcopy(model.state_dict())
+    compiled = torch.compile(step, backend="megatrain",
+                             options={"device": "cpu", "lowering": "eager", "memory_budget": budget, **OPTIONS})
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)
+    with pytest.raises(HostMemoryError, match="host_activation_budget") as info:
+        compiled(*_batches(1)[0])
+    assert info.value.available_bytes == 1024 and info.value.needed_bytes > 1024
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    record = _train(budget, host_activation_budget=0)
+    assert _host_bytes(record) == 0, record.plan.policy

@@ -26,9 +26,10 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_allocation(nbytes: int, what: str) -> None:
+def check_host_allocation(nbytes: int, what: str, advice: str | None = None) -> None:
     """Raises ``HostMemoryError`` if ``nbytes`` more host memory would not fit; call it before
-    allocating anything."""
+    allocating anything. ``advice``: what to change, given the bytes available (default: free
+    memory or train fewer parameters)."""
     if nbytes <= 0 or os.environ.get(CHECK_ENV) == "0":
         return
     available = available_host_bytes()
@@ -37,5 +38,5 @@ def check_host_allocation(nbytes: int, what: str) -> None:
     raise HostMemoryError(
         f"megatrain: {what} needs {format_bytes(nbytes)} ({nbytes} bytes) more host memory, and only "
         f"{format_bytes(available)} is available (MemAvailable). Nothing was allocated and the parameters are "
-        f"unchanged. Free host memory, train fewer parameters per process, or set {CHECK_ENV}=0 to allocate "
-        f"anyway.", needed_bytes=nbytes, available_bytes=available)
+        f"unchanged. {advice or 'Free host memory, train fewer parameters per process'}, or set {CHECK_ENV}=0 to "
+        f"allocate anyway.", needed_bytes=nbytes, available_bytes=available)
