@@ -253,9 +253,8 @@ class TrainingCompiler:
         def make_maker(build, short_copy: fx.GraphModule | None = None) -> PlanMaker:
             # A short copy of the step is priced with the host optimizer updating its own
             # parameters: priced with the whole model's, the update outlasted the copy's device
-            # work, which hid what each layer adds and made the extrapolation to full depth
-            # 3x too cheap per layer (Llama-2-7B, bf16: 24 ms a layer where the full graph
-            # takes 86).
+            # work, which hid what each layer adds (Llama-2-7B, bf16: 24 ms a layer where the
+            # full graph's take 86).
             return PlanMaker(build, self.options, profile,
                              predict_seconds if short_copy is None else pricer(self._params_read_by(short_copy)))
 
@@ -297,11 +296,15 @@ class TrainingCompiler:
                     f"bytes, not the {priced} it was chosen at; please report this with the model")
         self.record.plan, self.record.forward, self.record.backward = chosen.plan, chosen.forward, chosen.backward
         self.record.snapshots = self.captured_snapshots + chosen.snapshots
-        records.add(self.record)
-        self.record.compile_times.capture_s = started - self.started
-        self.record.compile_times.planning_s = time.perf_counter() - started
-        _log_plan(self.record, self.options, self.record.compile_times.planning_s)
+        self._planned(started)
         return chosen.forward, chosen.backward
+
+    def _planned(self, planning_started: float) -> None:
+        """The record of the chosen plan kept, its compile times noted and logged."""
+        records.add(self.record)
+        self.record.compile_times.capture_s = planning_started - self.started
+        self.record.compile_times.planning_s = time.perf_counter() - planning_started
+        _log_plan(self.record, self.options, self.record.compile_times.planning_s)
 
     def _with_merged_compute_runs(self, maker: PlanMaker, chosen: Attempt) -> Attempt:
         """The chosen plan with each layer's memory ops gathered at the ends of its compute
@@ -489,10 +492,7 @@ class TrainingCompiler:
             )
         self.record.plan, self.record.forward, self.record.snapshots = plan, gm, ctx.snapshots
         self.record.label += " (no backward)"
-        records.add(self.record)
-        self.record.compile_times.capture_s = started - self.started
-        self.record.compile_times.planning_s = time.perf_counter() - started
-        _log_plan(self.record, self.options, self.record.compile_times.planning_s)
+        self._planned(started)
         # Glue without parameters (``loss.detach()``) belongs to the step around it.
         starts_step = "param" in self.input_roles
         return self.lower(gm, start_step=starts_step, record=self.record, part="forward")

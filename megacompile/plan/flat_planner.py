@@ -665,12 +665,10 @@ def _rungs_to_prefetch_deeper(ladder: list[Attempt], fits: Callable[[Attempt], b
 def _ladder(candidates: list[Attempt]) -> list[Attempt]:
     """The candidates along which, as the peak grows, predicted time falls and the recompute
     count never rises (each candidate priced: ``plan.predicted_seconds``)."""
-    return ladder_of(candidates, lambda c: (c.peak, c.plan.predicted_seconds, len(c.plan.recomputed_ops)))
+    def numbers(c: Attempt) -> tuple:
+        return c.peak, c.plan.predicted_seconds, len(c.plan.recomputed_ops)
 
-
-def ladder_of(candidates: list, numbers: Callable) -> list:
-    """The ladder over any priced candidates; ``numbers(c)`` = (peak, seconds, recompute count)."""
-    ladder: list = []
+    ladder: list[Attempt] = []
     for c in sorted(candidates, key=lambda c: numbers(c)[:2]):
         # Ties in time go to the later (less aggressive) rung: no offload or recompute that
         # buys nothing.
