@@ -3,7 +3,7 @@
 # a session, machine start included, and a command at most 10 minutes). Run from the repository
 # root on the GPU machine, in a device call with timeout_s 600:
 #
-#   bash benchmarks/gpu_session.sh [next|issue19|max_tokens|peers_7b|peers_ds|peers]
+#   bash benchmarks/gpu_session.sh [next|issue19|max_tokens|peers_7b|rss32|peers]
 #
 # Carry .whl/ with transformers 5.24 (the tests' pin; the machine has 5.17), and for "peers" DeepSpeed
 # and its needs: `bash benchmarks/prepare_device.sh [--peers]` fills it, here; this script installs
@@ -33,8 +33,9 @@
 #   benchmarks/results/runtime_plan-2026-11-26-*-llama2-7b-max-tokens-reconciled.txt).
 # "peers_7b" (at most 585 s): issue 17's side by side at 32 layers, megatrain first; of 2026-11-27 (H200) megatrain took
 #   170 s, FSDP2 111 s, MegaTrain's code 115 s, and DeepSpeed was cut inside its initialize at 109 s.
-# "peers_ds" (at most 585 s; the next session's first call): DeepSpeed at 32 layers, then megatrain beside it; at 24
-#   layers both if DeepSpeed does not hold 32 on the host. Carry .whl (with --peers' wheels).
+# "rss32" (about 200 s; the next session's first call, then "max_tokens" on the same machine): 7B with
+#   host_activation_budget=0, issue 17's RSS target. DeepSpeed's 32-layer row is settled: of 2026-11-27 (H200) it was
+#   killed at 123.4 GiB RSS at 24 layers and ran at 16 (peers-2026-11-27-nvidia-h200-peers-ds-*layers.txt).
 # "peers" (about 10 minutes): the other systems of benchmarks/peers.py at 8 layers, on the machine
 #   that ran "next" (merge the two files with peers.py --merge-into). It needs
 #   the peers' code carried beside the checkout (not in the repo): DeepSpeed and its needs as
@@ -136,37 +137,23 @@ if [ "$part" = peers_7b ]; then
     done
     tar czf "$OUT/peer-logs.tgz" /tmp/peers-logs-* 2>/dev/null
 fi
-if [ "$part" = peers_ds ]; then
-    # DeepSpeed ZeRO-3 offload at issue 17's 32 layers, which the peers_7b run of 2026-11-27 did not reach, then megatrain
-    # beside it on the same machine. DeepSpeed may not hold 7B on a 126 GiB host (43.6 GiB RSS at 8 layers where FSDP2
-    # took 33.5, and FSDP2 took 117.6 at 32): if its 32-layer run fails, megatrain and DeepSpeed at 24 layers instead,
-    # "the deepest model of that shape it holds" in the issue's words, as far as the call's time reaches.
-    DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-585} ))
-    export TORCH_EXTENSIONS_DIR=/tmp/ds_ext
-    peer() {  # peer LAYERS SYSTEM SECONDS: one system at that depth, merged into that depth's file
-        local left=$(( DEADLINE - $(date +%s) - 30 )) file
-        local limit=$(( $3 < left ? $3 : left ))
-        file=$(ls "$OUT"/peers-*-peers-ds-$1layers.json 2>/dev/null | head -n 1)
-        step "peers_ds_$1_$2" $(( limit + 30 )) "$PY" benchmarks/peers.py --layers "$1" --seq 4096 --batch 8 --steps 4 \
-            --budget 60GiB --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json \
-            --out-dir "$OUT" --tag "peers-ds-$1layers" --systems "$2" --timeout "$limit" ${file:+--merge-into "$file"}
-    }
-    peer 32 deepspeed_zero3_offload 380
-    if "$PY" -c "import glob, json, sys; r = json.load(open(glob.glob('$OUT/peers-*-peers-ds-32layers.json')[0]))
-sys.exit(0 if not r['systems']['deepspeed_zero3_offload'].get('error') else 1)" 2>/dev/null; then
-        peer 32 megatrain 240
-    else
-        peer 24 megatrain 200
-        peer 24 deepspeed_zero3_offload 400
-    fi
+if [ "$part" = rss32 ]; then
+    # Host RSS at 7B with the activations on the device (host_activation_budget=0) against issue 17's
+    # 14 B/param x N + 6 GiB = 93.9 GiB; the run with them streamed to the host peaked at 118.2 GiB.
+    DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-230} ))
+    PEERS_MEGATRAIN_OPTIONS='{"host_activation_budget": 0}' \
+    step rss_32_layers_device_activations 210 "$PY" benchmarks/peers.py --seq 4096 --batch 8 --budget 60GiB \
+        --hardware benchmarks/results/calibrate-2026-11-22-nvidia-h100-80gb-hbm3.json --out-dir "$OUT" --layers 32 \
+        --steps 3 --systems megatrain --timeout 190 --tag megatrain-32layers-device-activations
 fi
-if [ "$part" = next ] || [ "$part" = issue19 ] || [ "$part" = max_tokens ] || [ "$part" = peers_7b ] || [ "$part" = peers_ds ]; then :
+if [ "$part" = next ] || [ "$part" = issue19 ] || [ "$part" = max_tokens ] || [ "$part" = peers_7b ] \
+        || [ "$part" = rss32 ]; then :
 elif [ "$part" = peers ]; then
     # megatrain's own row comes from "next" on the same machine (its compile alone took 99 s).
     step peers_others 590 "$PY" benchmarks/peers.py --layers 8 --seq 4096 --batch 8 --steps 5 --budget 60GiB \
         --systems fsdp2_cpu_offload,deepspeed_zero3_offload,megatrain_reference,resident_torch_compile \
         --timeout 140 --out-dir "$OUT" --tag peers-8layers
 else
-    echo "gpu_session.sh: unknown part '$part' (next, issue19, max_tokens, peers_7b, peers_ds or peers)" >&2
+    echo "gpu_session.sh: unknown part '$part' (next, issue19, max_tokens, peers_7b, rss32 or peers)" >&2
     exit 2
 fi

@@ -91,6 +91,10 @@ def run_worker(system: str, workload: Workload, result_path: str) -> int:
 
 # ----------------------------------------------------------------------------- driver side
 
+def host_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+
+
 def _status_bytes(pid: int, field: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -168,9 +172,13 @@ def run_system(system: str, workload: Workload, timeout_s: float, log_dir: str) 
             result = json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         with open(log_path) as f:
-            tail = f.read()[-1500:]
-        result = {"error": f"worker ended without a result (exit {code}; -9 is a kill, e.g. host out of "
-                           f"memory): ...{tail}"}
+            # Python's warnings (and the source line each quotes) say nothing about why the worker died.
+            lines = [line.rstrip() for line in f if line.strip() and "Warning:" not in line
+                     and not line.startswith("  ")]
+        tail = "\n".join(lines[-8:])[-1200:] or "(nothing but warnings)"
+        result = {"error": f"worker ended without a result (exit {code}; -9 is a kill, e.g. host out of memory; "
+                           f"its RSS peaked at {peak['rss'] / GiB:.1f} GiB of the host's {host_memory_gib():.0f}); "
+                           f"the log's last lines: {tail}"}
     os.unlink(result_path) if os.path.exists(result_path) else None
     # The worker's peak RSS as the kernel kept it (ru_maxrss) where it reported one: no sample misses it.
     result["host_rss_peak_bytes"] = max(result.get("worker_maxrss_bytes") or 0, peak["rss"])
@@ -332,13 +340,13 @@ def main(argv=None) -> int:
                "workload": dataclasses.asdict(workload), "systems": {}}
     os.makedirs(args.out_dir, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix="peers-logs-")
-    doc["host"] = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB"
+    doc["host"] = f"{os.cpu_count()} cores, {host_memory_gib():.0f} GiB"
     doc["logs"] = log_dir
     for system in systems:
         result = run_system(system, workload, args.timeout, log_dir)
         doc["systems"][system] = result
-        doc.setdefault("gpu", result.get("gpu"))
-        doc.setdefault("torch", result.get("torch"))
+        for key in ("gpu", "torch"):  # a system that died before it looked leaves them to the next one
+            doc[key] = doc.get(key) or result.get(key)
         path, text = write_result(doc, args)  # after each system: a call cut off keeps what ran
     print(text)
     print(f"\nwrote {path} and its .txt; worker logs in {log_dir}")
