@@ -10,7 +10,7 @@
 # .whl/*.whl into /tmp/site there.
 #
 # What issue 17 still waits for, in order (15 device-minutes: the two fit one machine held warm between calls, about
-# 230 + 520 s): "rss32" (timeout_s 240), then at once "max_tokens" (timeout_s 530). Name kind nvidia-h100-x1 where the
+# 240 + 530 s): "rss32" (timeout_s 240), then at once "max_tokens" (timeout_s 530). Name kind nvidia-h100-x1 where the
 # status offers it: the issue's targets are an H100's, and every 7B row so far ran on an H200.
 #
 # "next" (default, at most 585 s; what the second session of 2026-11-26 left unmeasured; peers.py now reports the
