@@ -324,8 +324,10 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     # AOTAutograd then traces and partitions each distinct body once too, and the step's
     # partitioner inlines the partitioned bodies per call (capture.TrainingCompiler.partition).
     # Under autocast (bf16) the calls are inlined here instead, before AOTAutograd, so that
-    # every op is traced inside the one autocast region the graph is wrapped in.
-    if opts.autocast_dtype is not None:
+    # every op is traced inside the one autocast region the graph is wrapped in. So they are
+    # where token_chunks gives a chunk count: chunk_tokens, a pass on this graph, sees the ops
+    # of this graph, not those of a region's body.
+    if opts.autocast_dtype is not None or isinstance(opts.token_chunks, int):
         inline_nested_regions(gm)
     reason = _unsupported_reason(gm)
     if reason is not None:
@@ -337,7 +339,11 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     try:
         compiled, unsupported = _compile_training(gm, example_inputs, opts, names, roles)
     except BudgetError as whole:
-        if retry is None or not chunk_tokens.has_runs(retry):
+        if retry is None:
+            raise
+        # Marked layers' per-token runs are in their regions' bodies: inlined, the pass sees them.
+        inline_nested_regions(retry)
+        if not chunk_tokens.has_runs(retry):
             raise
         log.info("megatrain: no plan fits memory_budget with the layers whole; chunking their per-token runs")
         try:

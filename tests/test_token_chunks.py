@@ -117,13 +117,16 @@ def _chunked_nodes():
     return fwd, bwd
 
 
-@pytest.mark.parametrize("name", ["hand-written", "hf-llama", "hf-gpt2"])
+@pytest.mark.parametrize("name", ["hand-written", "hf-llama", "hf-gpt2", "hf-llama-marked"])
 def test_fp32_parity_with_runs_chunked(name):
     """Losses and parameters equal eager within 1e-5 over two AdamW steps, every run in 4
     chunks of the 32 tokens; each layer has its runs before and after attention (GPT-2: its
-    Conv1D MLP after attention)."""
+    Conv1D MLP after attention). Marked layers (``mark_repeated_layers``) too: their runs are in
+    the regions' bodies, which the pass sees once the calls are inlined."""
     torch.manual_seed(0)
-    model = _Model() if name == "hand-written" else _hf(name[3:])
+    model = _Model() if name == "hand-written" else _hf(name[3:].removesuffix("-marked"))
+    if name.endswith("-marked"):
+        megacompile.mark_repeated_layers(model)
     pairs, reference = _train(model, {"token_chunks": 4}, _batches())
     fwd, bwd = _chunked_nodes()
     decoder = [n for n in fwd if info(n).layer.split(".")[-1].isdigit()]  # (a final norm is a run of its own)
@@ -256,6 +259,30 @@ def test_auto_leaves_a_fitting_step_alone_and_chunks_one_that_only_fits_chunked(
     assert abs(measured - planned) <= 0.05 * planned
     with pytest.raises(BudgetError):  # the fewest: half as many chunks do not fit
         _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": budget, "token_chunks": count // 2})
+
+
+def test_auto_chunks_the_runs_of_marked_layers():
+    """Where only chunked plans fit, "auto" traces again with the runs chunked: those of marked
+    layers too, which are in their regions' bodies until inlined."""
+    torch.manual_seed(0)
+    model = _Model(vocab=32, dim=16, hidden=256, layers=2)
+    megacompile.mark_repeated_layers(model)
+    x = torch.randint(0, 32, (1, 128), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BudgetError) as error:
+        _compile_and_run(copy.deepcopy(model), (x, x), {"memory_budget": 1})
+    whole, lower = error.value.minimum_budget, error.value.token_chunked_minimum
+    assert lower is not None and lower < whole
+    torch._dynamo.reset()
+    reference = copy.deepcopy(model)
+    report = _compile_and_run(model, (x, x), {"memory_budget": (whole + lower) // 2})
+    fwd, bwd = _chunked_nodes()
+    assert {info(n).layer for n in fwd} >= {"layers.0", "layers.1"} and len(bwd) == len(fwd)
+    assert report.measured_peak_device_bytes <= (whole + lower) // 2
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert not torch.equal(p, q)  # it trained
+    _step_of(reference)(x, x)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
 
 
 def test_token_chunks_option_is_checked():
