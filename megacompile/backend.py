@@ -323,10 +323,11 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     # Layers marked with torch.compiler.nested_compile_region: Dynamo traced each body once.
     # AOTAutograd then traces and partitions each distinct body once too, and the step's
     # partitioner inlines the partitioned bodies per call (capture.TrainingCompiler.partition).
-    # Under autocast (bf16) the calls are inlined here instead, before AOTAutograd, so that
-    # every op is traced inside the one autocast region the graph is wrapped in. So they are
-    # where token_chunks gives a chunk count: chunk_tokens, a pass on this graph, sees the ops
-    # of this graph, not those of a region's body.
+    # Under autocast (bf16) the calls are inlined here instead, before the passes on this graph,
+    # which read its ops and not those of a region's body: the causal mask's elision, token
+    # chunking. (Autocast itself would reach the bodies: kept as regions, a marked Llama's
+    # programs came out bit for bit the same; docs/results.md.) So they are where token_chunks
+    # gives a chunk count.
     if opts.autocast_dtype is not None or isinstance(opts.token_chunks, int):
         inline_nested_regions(gm)
     reason = _unsupported_reason(gm)
