@@ -328,7 +328,7 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
     # chunking. (Autocast itself would reach the bodies: kept as regions, a marked Llama's
     # programs came out bit for bit the same; docs/results.md.) So they are where token_chunks
     # gives a chunk count.
-    if opts.autocast_dtype is not None or isinstance(opts.token_chunks, int):
+    if opts.autocast_dtype is not None or chunk_tokens.chunks_now(opts):
         inline_nested_regions(gm)
     reason = _unsupported_reason(gm)
     if reason is not None:

@@ -283,6 +283,12 @@ def may_retry(options) -> bool:
         CONTRACT.name not in options.disable_passes
 
 
+def chunks_now(options) -> bool:
+    """Whether the pass chunks this trace (a count given, or the planner's retry): it then has to
+    see every layer's ops in Dynamo's graph (the backend inlines marked layers' calls first)."""
+    return options.token_chunks != "auto" and CONTRACT.name not in options.disable_passes
+
+
 def applies(ctx) -> bool:
     """Only with a chunk count: an int given, or the planner's retry (option "auto" otherwise
     leaves Dynamo's graph as it is)."""
