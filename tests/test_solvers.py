@@ -1,5 +1,6 @@
 """Table tests for the planner's pure solvers."""
 import itertools
+import random
 
 import pytest
 
@@ -68,3 +69,19 @@ def test_cost_never_increases_as_requirement_drops():
         picks = solve_exact(items, required)
         costs.append(sum(items[i][j].time_cost for i, j in enumerate(picks)) if picks else float("inf"))
     assert costs == sorted(costs)
+
+
+def test_exact_is_optimal_on_random_tables():
+    """The vectorized front against brute force, with ties in bytes and in time (zeros, repeats)."""
+    rng = random.Random(0)
+    for _ in range(400):
+        items = [[B] + [Option("x", rng.choice([0, 4, rng.randint(0, 20)]), rng.choice([0.5, 1.0, rng.random()]))
+                        for _ in range(rng.randint(0, 3))] for _ in range(rng.randint(1, 6))]
+        required = rng.randint(-2, 50)
+        picks, best = solve_exact(items, required), brute_force(items, max(required, 0))
+        if best is None:
+            assert picks is None
+            continue
+        assert picks is not None and len(picks) == len(items)
+        assert sum(items[i][j].memory_saved for i, j in enumerate(picks)) >= required
+        assert sum(items[i][j].time_cost for i, j in enumerate(picks)) == pytest.approx(best[0])

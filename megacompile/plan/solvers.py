@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class Option:
@@ -60,35 +62,40 @@ def solve_greedy(items: list[list[Option]], required: int) -> list[int] | None:
 
 def solve_exact(items: list[list[Option]], required: int) -> list[int] | None:
     _check(items)
-    front: dict[int, float] = {0: 0.0}  # saved (capped at required) -> least time
-    # Per item, how each state was reached: saved -> (saved before it, option). Followed back
-    # from the answer once (carrying every state's picks along cost O(items) per state).
-    reached: list[dict[int, tuple[int, int]]] = []
+    # The Pareto front of (bytes saved, capped at required; least time), as arrays sorted by
+    # bytes saved, most first. Vectorized: at 7B a plan's ~120 saved activations grow the
+    # front to thousands of states and the planner solves for a dozen targets (a pure-Python
+    # loop was seconds per plan).
+    saved = np.zeros(1, dtype=np.int64)
+    seconds = np.zeros(1, dtype=np.float64)
+    # Per item, how each state of its front was reached: (index in the front before, option).
+    reached: list[tuple[np.ndarray, np.ndarray]] = []
     for options in items:
-        nxt: dict[int, float] = {}
-        how: dict[int, tuple[int, int]] = {}
-        for saved, time in front.items():
-            for j, opt in enumerate(options):
-                s = min(required, saved + opt.memory_saved)
-                t = time + opt.time_cost
-                if s not in nxt or t < nxt[s]:
-                    nxt[s], how[s] = t, (saved, j)
+        gains = np.array([o.memory_saved for o in options], dtype=np.int64)
+        costs = np.array([o.time_cost for o in options], dtype=np.float64)
+        # Every (state, option) in enumeration order: state by state, option by option.
+        s = np.minimum(required, saved[:, None] + gains[None, :]).ravel()
+        t = (seconds[:, None] + costs[None, :]).ravel()
+        # For each bytes-saved value its least time, the first in enumeration order among
+        # equal times (a stable sort by bytes saved descending, then time).
+        order = np.lexsort((t, -s))
+        s, t = s[order], t[order]
+        first = np.ones(len(s), dtype=bool)
+        first[1:] = s[1:] != s[:-1]
+        order, s, t = order[first], s[first], t[first]
         # Pareto prune: drop states that save less and cost at least as much.
-        pruned: dict[int, float] = {}
-        best_time = float("inf")
-        for s in sorted(nxt, reverse=True):
-            if nxt[s] < best_time:
-                pruned[s] = best_time = nxt[s]
-        front = pruned
-        reached.append(how)
+        before = np.minimum.accumulate(np.concatenate(([np.inf], t[:-1])))
+        keep = t < before
+        order, saved, seconds = order[keep], s[keep], t[keep]
+        reached.append((order // len(options), order % len(options)))
     if required <= 0:
         return [0] * len(items)
-    if required not in front:
+    if saved[0] != required:
         return None
-    picks, state = [], required
-    for how in reversed(reached):
-        state, j = how[state]
-        picks.append(j)
+    picks, state = [], 0
+    for before, option in reversed(reached):
+        picks.append(int(option[state]))
+        state = int(before[state])
     return picks[::-1]
 
 
