@@ -26,6 +26,8 @@ from megacompile.core import ops, token_chunks
 from megacompile.core.errors import BudgetError, OptionsError
 from megacompile.core.node_info import info
 from megacompile.options import parse_options
+from megacompile.plan import flat_planner
+from megacompile.plan.flat_planner import some_plan_fits
 
 
 class _RMSNorm(nn.Module):
@@ -237,11 +239,19 @@ def _compile_and_run(model, batch, options):
     return megacompile.last_report()
 
 
-def test_auto_leaves_a_fitting_step_alone_and_chunks_one_that_only_fits_chunked():
+def test_auto_leaves_a_fitting_step_alone_and_chunks_one_that_only_fits_chunked(monkeypatch):
     """"auto": a step that fits is compiled unchanged; one that fits only chunked gets the
     fewest chunks that fit. With the runs chunked, a chunk's replay and backward set the
     backward's peak: the planned peak (the op's working set from its traced chunk programs)
-    is the measured one."""
+    is the measured one. The counts the search probes with a few builds
+    (``flat_planner.some_plan_fits``) give the plan the whole ladder at every count gives."""
+    probed = []
+
+    def probe(*args):
+        probed.append(some_plan_fits(*args))
+        return probed[-1]
+
+    monkeypatch.setattr(flat_planner, "some_plan_fits", probe)
     model, batch = _wide()
     _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": "1GiB"})
     assert _chunked_nodes() == ([], [])
@@ -259,6 +269,13 @@ def test_auto_leaves_a_fitting_step_alone_and_chunks_one_that_only_fits_chunked(
     assert abs(measured - planned) <= 0.05 * planned
     with pytest.raises(BudgetError):  # the fewest: half as many chunks do not fit
         _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": budget, "token_chunks": count // 2})
+
+    assert True in probed  # some count was settled by the probe alone
+    monkeypatch.setattr(flat_planner, "some_plan_fits", lambda *args: False)
+    torch._dynamo.reset()
+    unprobed = _compile_and_run(copy.deepcopy(model), batch, {"memory_budget": budget})
+    assert _chunked_nodes()[0][0].args[token_chunks.CHUNKS_ARG] == count
+    assert (unprobed.planned_peak_device_bytes, unprobed.policy) == (planned, report.policy)
 
 
 def test_auto_chunks_the_runs_of_marked_layers():

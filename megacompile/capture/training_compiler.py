@@ -281,8 +281,11 @@ class TrainingCompiler:
             except Exception as e:  # noqa: BLE001
                 _template_failed(e)
         if chosen is None and choosing:
-            chosen = self._plan_chunk_count(chunked, lambda: flat_planner.plan_training(
-                build, layers, self.options, profile, predict_seconds, both_phases, joint=joint))
+            chosen = self._plan_chunk_count(
+                chunked,
+                lambda: flat_planner.plan_training(build, layers, self.options, profile, predict_seconds, both_phases,
+                                                   joint=joint),
+                lambda: flat_planner.some_plan_fits(build, self.options, profile, predict_seconds))
         if chosen is None:
             chosen = flat_planner.plan_training(build, layers, self.options, profile, predict_seconds, both_phases,
                                                 joint=joint)
@@ -330,32 +333,41 @@ class TrainingCompiler:
         return merged
 
     @staticmethod
-    def _plan_chunk_count(chunked: list[fx.Node], plan):
+    def _plan_chunk_count(chunked: list[fx.Node], plan, surely_fits):
         """The plan at the fewest chunks (powers of two) whose plan fits the budget: a slice's
         working set shrinks with the count while the FLOPs stay (every count replays the run
-        once), and each chunk adds its ops' launches, so fewer is faster."""
+        once), and each chunk adds its ops' launches, so fewer is faster. Counts are tried with
+        ``surely_fits`` (a few builds) before ``plan`` (the whole ladder, dozens): the step is
+        planned in full once, at the count chosen, where the probes decide."""
         tokens = max(token_chunks.call_tokens(n) for n in chunked)
         counts = [1 << i for i in range(1, tokens.bit_length()) if (1 << i) <= tokens] or [1]
+        planned = {}  # count -> the full plan, where a probe was not sure
 
-        def at(count: int):
+        def fits_at(count: int) -> bool:
             for node in chunked:
                 token_chunks.set_chunks(node, count)
-            return plan()
+            if surely_fits():
+                return True
+            try:
+                planned[count] = plan()
+            except BudgetError:
+                if count == counts[-1]:
+                    raise  # the most chunks: if this does not fit, nothing does
+                return False
+            return True
 
+        fits_at(counts[-1])
         lo, hi = 0, len(counts) - 1
-        best = (counts[hi], at(counts[hi]))  # the most chunks: if this does not fit, nothing does
         while lo < hi:
             mid = (lo + hi) // 2
-            try:
-                best = (counts[mid], at(counts[mid]))
+            if fits_at(counts[mid]):
                 hi = mid
-            except BudgetError:
+            else:
                 lo = mid + 1
-        count, chosen = best
-        if count != counts[lo]:
-            count, chosen = counts[lo], at(counts[lo])
+        count = counts[lo]
         for node in chunked:
             token_chunks.set_chunks(node, count)
+        chosen = planned[count] if count in planned else plan()
         chosen.plan.reason = (chosen.plan.reason or "") + (
             f"; per-token runs in {count} token chunk(s), the fewest that fit")
         return chosen

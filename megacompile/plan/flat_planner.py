@@ -385,6 +385,26 @@ class PlanMaker:
         return deeper
 
 
+def some_plan_fits(build: Callable[[TrainingPlan], Attempt], options, profile,
+                   predict_seconds: Callable[[Attempt], float]) -> bool:
+    """True where ``plan_training`` is sure to find a plan within both budgets, known from the
+    few candidates with the smallest peaks (offload-all, recompute-all, the streaming minimum)
+    rather than the whole ladder: the ladder's lowest rung is its smallest candidate that fits
+    the host, so where one of these fits, a rung does. False means not known: a mix streaming
+    fewer layers may still fit a small host_activation_budget (plan_training decides)."""
+    maker = PlanMaker(build, options, profile, predict_seconds)
+    if options.recompute == "always":
+        return maker.fits(maker.make(PlanSpec(name="recompute", default_policy=Policy.RECOMPUTE)))
+    if maker.fits(maker.make(PlanSpec(name="offload (all layers)", default_policy=Policy.OFFLOAD))):
+        return True
+    if options.recompute == "never":
+        return False
+    recompute_all = maker.make(PlanSpec(name="recompute (all layers)", default_policy=Policy.RECOMPUTE))
+    if maker.fits(recompute_all):
+        return True
+    return bool(recompute_all.plan.saved_values) and maker.fits(maker.make(streaming_minimum_spec(recompute_all)))
+
+
 def plan_training(
     build: Callable[[TrainingPlan], Attempt],
     layers: list[str],
