@@ -55,7 +55,10 @@ def _t5():
 def _vit():
     return transformers.ViTForImageClassification(transformers.ViTConfig(
         image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-        intermediate_size=128, num_labels=10))
+        intermediate_size=128, num_labels=10,
+        # Unset, transformers sets it on the first loss it computes, and the step compiled again
+        # at the second (a guard on the config): the whole compile twice, testing nothing more.
+        problem_type="single_label_classification"))
 
 
 def _loss_with_labels(m, x, y):
