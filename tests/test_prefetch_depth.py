@@ -77,6 +77,13 @@ def test_a_stalling_load_is_prefetched_deeper_when_the_budget_allows():
     # Issued before layers.2 starts (depth 1 would issue it there, one layer ahead).
     assert nodes.index(load) < first_compute_index(roomy.forward, "layers.2")
     assert roomy_report.measured_peak_device_bytes == roomy_report.planned_peak_device_bytes
+    # The first layer's weight is loaded before any compute: deeper it lands in the same place,
+    # so no variant is built for it (nor is it given a depth).
+    from megacompile.plan.flat_planner import _loads_after_compute
+
+    movable = {info(n).source for n in _loads_after_compute(roomy.forward)}
+    assert wide in movable and "layers.0.0.weight" not in movable, movable
+    assert "layers.0.0.weight" not in roomy.plan.prefetch
 
     # The same model planned without deeper prefetch: the compute lane waits longer for
     # its loads, by the same cost model, and the deeper plan is predicted faster.
