@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from megacompile.core import ops
 from megacompile.core.enums import Placement, Role
-from megacompile.core.host_ops import is_host_op
+from megacompile.core.host_ops import is_device_compute, is_host_op
 from megacompile.core.node_info import NodeInfo, identifier, info, is_tensor_node, is_view_node, set_nbytes
 from megacompile.passes.contract import PassContract
 
@@ -118,7 +118,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
     # Device compute only: a host op (a host cast) is not a use that needs a load.
-    compute = [n for n in nodes if n.op == "call_function" and not ops.is_memory_op(n) and not is_host_op(n)]
+    compute = [n for n in nodes if is_device_compute(n)]
     position = {n: i for i, n in enumerate(compute)}
     runs = layer_runs(compute)
     run_starts = [start for _, start in runs]

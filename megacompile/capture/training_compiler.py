@@ -343,9 +343,12 @@ class TrainingCompiler:
         counts = [1 << i for i in range(1, tokens.bit_length()) if (1 << i) <= tokens] or [1]
         planned = {}  # count -> the full plan, where a probe was not sure
 
-        def fits_at(count: int) -> bool:
+        def use(count: int) -> None:
             for node in chunked:
                 token_chunks.set_chunks(node, count)
+
+        def fits_at(count: int) -> bool:
+            use(count)
             if surely_fits():
                 return True
             try:
@@ -365,8 +368,7 @@ class TrainingCompiler:
             else:
                 lo = mid + 1
         count = counts[lo]
-        for node in chunked:
-            token_chunks.set_chunks(node, count)
+        use(count)
         chosen = planned[count] if count in planned else plan()
         chosen.plan.reason = (chosen.plan.reason or "") + (
             f"; per-token runs in {count} token chunk(s), the fewest that fit")

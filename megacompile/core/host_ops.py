@@ -19,6 +19,11 @@ def is_host_op(node: fx.Node) -> bool:
             and info(node).placement == "host")
 
 
+def is_device_compute(node: fx.Node) -> bool:
+    """A compute op the program runs on the device: neither a memory op nor a host op."""
+    return node.op == "call_function" and not ops.is_memory_op(node) and not is_host_op(node)
+
+
 def is_weight_copy_cast(node: fx.Node) -> bool:
     """A host cast narrowing a parameter (its bf16 copy on the way to a load). The runtime serves
     it from the parameter's persistent copy (``runtime/weight_copies.py``), which the host

@@ -39,7 +39,7 @@ import torch.fx as fx
 from megacompile.core import ops
 from megacompile.core.enums import Policy
 from megacompile.core.errors import BudgetError
-from megacompile.core.host_ops import is_host_op
+from megacompile.core.host_ops import is_device_compute
 from megacompile.core.node_info import has_info, info, is_view_node, tensor_nbytes_hint
 from megacompile.core.units import format_bytes
 from megacompile.passes import facts_after
@@ -386,6 +386,12 @@ class PlanMaker:
         return deeper
 
 
+# The uniform plans that both the ladder and ``some_plan_fits`` build.
+_RECOMPUTE = PlanSpec(name="recompute", default_policy=Policy.RECOMPUTE)  # option recompute="always"
+_OFFLOAD_ALL = PlanSpec(name="offload (all layers)", default_policy=Policy.OFFLOAD)
+_RECOMPUTE_ALL = PlanSpec(name="recompute (all layers)", default_policy=Policy.RECOMPUTE)
+
+
 def some_plan_fits(build: Callable[[TrainingPlan], Attempt], options, profile,
                    predict_seconds: Callable[[Attempt], float]) -> bool:
     """True where ``plan_training`` is sure to find a plan within both budgets, known from the
@@ -395,12 +401,12 @@ def some_plan_fits(build: Callable[[TrainingPlan], Attempt], options, profile,
     fewer layers may still fit a small host_activation_budget (plan_training decides)."""
     maker = PlanMaker(build, options, profile, predict_seconds)
     if options.recompute == "always":
-        return maker.fits(maker.make(PlanSpec(name="recompute", default_policy=Policy.RECOMPUTE)))
-    if maker.fits(maker.make(PlanSpec(name="offload (all layers)", default_policy=Policy.OFFLOAD))):
+        return maker.fits(maker.make(_RECOMPUTE))
+    if maker.fits(maker.make(_OFFLOAD_ALL)):
         return True
     if options.recompute == "never":
         return False
-    recompute_all = maker.make(PlanSpec(name="recompute (all layers)", default_policy=Policy.RECOMPUTE))
+    recompute_all = maker.make(_RECOMPUTE_ALL)
     if maker.fits(recompute_all):
         return True
     return bool(recompute_all.plan.saved_values) and maker.fits(maker.make(streaming_minimum_spec(recompute_all)))
@@ -422,7 +428,7 @@ def plan_training(
                                                         maker.with_tuned_prefetch)
 
     if options.recompute == "always":
-        a = make(PlanSpec(name="recompute", default_policy=Policy.RECOMPUTE))
+        a = make(_RECOMPUTE)
         if fits(a):
             return a
         keep = make(PlanSpec(name="keep"))
@@ -448,11 +454,11 @@ def plan_training(
     # The candidate ladder: built plans from least to most aggressive. Each is built for
     # real, so its peak is the one the runtime will see, and priced by the cost model.
     candidates: list[Attempt] = [keep]
-    offload_all = make(PlanSpec(name="offload (all layers)", default_policy=Policy.OFFLOAD))
+    offload_all = make(_OFFLOAD_ALL)
     candidates.append(offload_all)
     recompute_all = None
     if allow_recompute:
-        recompute_all = make(PlanSpec(name="recompute (all layers)", default_policy=Policy.RECOMPUTE))
+        recompute_all = make(_RECOMPUTE_ALL)
         candidates.append(recompute_all)
     floor = min(c.peak for c in candidates)
 
@@ -735,13 +741,9 @@ def _loads_after_compute(gm: fx.GraphModule) -> set[fx.Node]:
     before the program's first)."""
     movable, computed = set(), False
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is ops.load:
-            if computed:
-                movable.add(node)
-        elif not ops.is_memory_op(node) and not is_host_op(node):
-            computed = True
+        if node.target is ops.load and computed:
+            movable.add(node)
+        computed = computed or is_device_compute(node)
     return movable
 
 

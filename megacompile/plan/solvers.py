@@ -62,6 +62,8 @@ def solve_greedy(items: list[list[Option]], required: int) -> list[int] | None:
 
 def solve_exact(items: list[list[Option]], required: int) -> list[int] | None:
     _check(items)
+    if required <= 0:
+        return [0] * len(items)
     # The Pareto front of (bytes saved, capped at required; least time), as arrays sorted by
     # bytes saved, most first. Vectorized: at 7B a plan's ~120 saved activations grow the
     # front to thousands of states and the planner solves for a dozen targets (a pure-Python
@@ -88,8 +90,6 @@ def solve_exact(items: list[list[Option]], required: int) -> list[int] | None:
         keep = t < before
         order, saved, seconds = order[keep], s[keep], t[keep]
         reached.append((order // len(options), order % len(options)))
-    if required <= 0:
-        return [0] * len(items)
     if saved[0] != required:
         return None
     picks, state = [], 0
