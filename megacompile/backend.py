@@ -305,8 +305,40 @@ def _compile_training(gm: fx.GraphModule, example_inputs: list, opts: Options, n
     return compiled, None
 
 
+# Compiles of one frame that pass without a word: the first, and the one Dynamo makes with
+# dynamic sizes when the shapes change (automatic dynamic shapes).
+QUIET_COMPILES = 2
+
+
+def warn_if_compiled_again() -> None:
+    """Each compile of a frame captures and plans its step from scratch (minutes at 7B), and
+    Dynamo compiles a frame again whenever a guard on what the step read fails: a list it
+    appends to grows every step, so every step compiled again, silently, until Dynamo's limit,
+    after which the frame runs uncompiled (without megatrain). Said from the third compile."""
+    found = compat.frame_compile_count()
+    if found is None or found[1] < QUIET_COMPILES:
+        return
+    code, before = found
+    owner = compat.compiling_owner()
+    if isinstance(owner, torch.nn.Module):
+        what = f"{type(owner).__name__}.forward"
+    else:
+        owner = owner if hasattr(owner, "co_name") else code
+        what = f"{owner.co_name} ({owner.co_filename}:{owner.co_firstlineno})"
+    part = " (its rest after a graph break)" if code is not owner else ""
+    warnings.warn(
+        f"megatrain: Dynamo is compiling {what}{part} again, compile {before + 1} of it; each compile captures and "
+        f"plans the step anew. Dynamo compiles a frame again when a guard on what it read fails: a Python value the "
+        f"step reads changed since (a list it appends to, a float argument, an attribute set between steps) or the "
+        f"shapes changed once more. TORCH_LOGS=recompiles names the guard. Keep such values out of the compiled step "
+        f"(e.g. append loss.item() after the call returns), pass numbers as tensors, or mark sizes dynamic "
+        f"(torch._dynamo.mark_dynamic). After {compat.recompile_limit()} compiles Dynamo runs the frame uncompiled, "
+        f"without megatrain.", stacklevel=2)
+
+
 def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = None, **_ignored: Any) -> Any:
     opts = parse_options(options)
+    warn_if_compiled_again()
     names, roles = describe_inputs(gm, example_inputs)
     check_placement(example_inputs, names, roles)
     if torch.is_grad_enabled():

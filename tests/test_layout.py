@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,7 @@ def _imports(path: Path, module: str, known: set[str]):
         yield targets, node.lineno, in_function(node), lines[node.end_lineno - 1]
 
 
+@functools.lru_cache(maxsize=None)  # (read only by the tests: parsing every module is a second each time)
 def _graph():
     modules = _modules()
     known = set(modules)

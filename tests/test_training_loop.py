@@ -262,6 +262,39 @@ def test_lr_scheduler_float_lr(sched_name):
     assert counts[6][1] == 1, counts
 
 
+def test_a_step_dynamo_compiles_at_every_call_is_named_from_its_third_compile():
+    """A list the step appends to (``losses.append(loss.item())`` inside the compiled function)
+    fails Dynamo's guard on its length at every call: every step is captured and planned
+    again. The results stay eager's; megatrain says so from the third compile of the frame,
+    naming the function and the way out (the first two pass without a word: the second is
+    what a change of shapes makes). Before, nothing said it."""
+    model, reference = make_pair()
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(reference.parameters(), lr=1e-3)
+
+    def logging_step(m, o, losses):
+        def step(x, y):
+            loss = mse(m, x, y)
+            losses.append(loss.item())  # a graph break, and a guard on len(losses)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            return loss.detach()
+        return step
+
+    compiled = compile_step(logging_step(model, opt, []), model)
+    eager = logging_step(reference, ref_opt, [])
+    said = []
+    for x, y in mlp_batches(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert_loss_close(compiled(x, y), eager(x, y))
+        said.append([str(w.message) for w in caught if "compiling" in str(w.message)])
+    assert_params_close(model, reference)
+    assert said[0] == [] and said[1] == [], said
+    assert said[2] and all("megatrain: Dynamo is compiling step (" in m and "compile 3 of it" in m
+                           and "TORCH_LOGS=recompiles" in m for m in said[2]), said
+
+
 # --- 5. parameter groups ------------------------------------------------------------------
 def test_parameter_groups_with_different_lr_and_weight_decay():
     model, reference = make_pair()

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch._dynamo.external_utils
+import torch._guards
 import torch._logging._internal
 import torch.fx as fx
 import torch.optim.optimizer as optim_module
@@ -586,6 +587,26 @@ def compiling_owner() -> Any:
             break
         code = meta.code
     return code
+
+
+def frame_compile_count() -> tuple[types.CodeType, int] | None:
+    """Inside a backend call: the code of the frame Dynamo is compiling and how many times it
+    compiled that frame before (0 the first time; each guard failure compiles it again, up to
+    ``torch._dynamo.config.recompile_limit``). None outside a Dynamo compile."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # no translator on this thread: not inside a Dynamo compile
+        return None
+    if compile_id is None or compile_id.frame_compile_id is None:
+        return None
+    return tx.f_code, compile_id.frame_compile_id
+
+
+def recompile_limit() -> int:
+    """How many times Dynamo compiles one frame before it runs it uncompiled."""
+    return int(getattr(torch._dynamo.config, "recompile_limit", None)
+               or getattr(torch._dynamo.config, "cache_size_limit", 8))
 
 
 def compiled_owner(fn: Any) -> Any:
