@@ -5,8 +5,8 @@ holds the model (a 3-layer Hugging Face Llama) and varies the loop: optimizers a
 flags, parameter groups, LR schedulers, clipping, frozen parameters, an EMA of the weights,
 losses written by hand, metrics returned from the step, padded batches, evaluation between
 steps, the model compiled without its optimizer, and graph breaks in the step (``.item()``,
-``print``, numpy). On the CPU stand-in, eager lowering, under a budget of half the training
-state (the plan streams), 4 steps on random tokens. One row per loop: the largest relative
+``print``, numpy). On the CPU stand-in, eager lowering, under a budget of 30% of the training
+state (parameters stream, activations are offloaded or recomputed), 4 steps on random tokens. One row per loop: the largest relative
 difference of what the step returns (losses, metrics) to eager PyTorch, the largest absolute
 parameter difference, the measured peak against the budget, the plan, any megatrain warning
 (a fallback, or a step Dynamo compiles again at every call) or the error.
@@ -35,6 +35,7 @@ from _machine import cpu_model, write_result  # noqa: E402
 VOCAB = 128
 STEPS = 4
 TOLERANCE = 1e-5  # fp32: the same kernels as eager; what differs is the order of a few sums
+BUDGET_FRACTION = 30  # percent of the training state (parameters, gradients, AdamW state): the plan trades activations
 
 
 def _model():
@@ -255,7 +256,7 @@ def run_loop(name: str) -> tuple[str, str]:
     torch.manual_seed(0)
     model = _model()
     reference = copy.deepcopy(model)
-    budget = sum(p.numel() * p.element_size() for p in model.parameters()) * 4 // 2  # half the AdamW state
+    budget = sum(p.numel() * p.element_size() for p in model.parameters()) * 4 * BUDGET_FRACTION // 100
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(STEPS)]
     run = _runner(name)
