@@ -325,7 +325,7 @@ def warn_if_compiled_again() -> None:
     else:
         owner = owner if hasattr(owner, "co_name") else code
         what = f"{owner.co_name} ({owner.co_filename}:{owner.co_firstlineno})"
-    part = " (its rest after a graph break)" if code is not owner else ""
+    part = " (its rest after a graph break)" if compat.is_dynamo_resume_code(code) else ""
     warnings.warn(
         f"megatrain: Dynamo is compiling {what}{part} again, compile {before + 1} of it; each compile captures and "
         f"plans the step anew. Dynamo compiles a frame again when a guard on what it read fails: a Python value the "
