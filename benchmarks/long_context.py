@@ -3,7 +3,7 @@
 Usage:  python benchmarks/long_context.py [--device cuda] [--layers 32 --hidden 4096
             --intermediate 11008 --heads 32 --kv-heads 32 --vocab 32000] [--seq 131072]
             [--budget 60GiB] [--steps 3] [--precision bf16] [--head-chunk-tokens N] [--compare-unfused]
-            [--out FILE]
+            [--mark-layers] [--compare-mask-kept] [--out FILE]
 
 One Hugging Face Llama (sdpa attention, labels=input_ids: the model's own shifted loss),
 batch 1, AdamW on the host, the step compiled with ``backend="megatrain"``. For each variant
@@ -11,7 +11,10 @@ batch 1, AdamW on the host, the step compiled with ``backend="megatrain"``. For 
 run) it prints the plan, the planned and measured device peak (and the allocator's reserved
 peak on CUDA), the step time (median after the first step, which compiles), losses, whether
 the causal mask was elided, and how many layers were token-chunked. A variant whose plan does
-not fit the budget is listed with the BudgetError's message, not dropped.
+not fit the budget is listed with the BudgetError's message, not dropped. ``--mark-layers``
+marks the decoder layers (``megacompile.mark_repeated_layers``: one traced body, the mask an
+input of it); ``--compare-mask-kept`` also trains with ``elide_causal_mask`` switched off, the
+mask built and read as the model wrote it.
 The defaults are Llama-2-7B's shape at 128k tokens (issue 19's H100 run); on the CPU stand-in
 use a small shape, e.g. ``--device cpu --layers 2 --hidden 128 --intermediate 344 --heads 4
 --kv-heads 4 --vocab 2048 --seq 8192 --budget 256MiB --head-chunk-tokens 1024`` (eager lowering
@@ -63,26 +66,28 @@ def _decisions(records) -> dict:
     return {"attention_masks": sorted(set(notes)), "chunked_runs": len(chunked)}
 
 
-def run_variant(args, fuse_head: bool) -> dict:
+def run_variant(args, fuse_head: bool, elide_mask: bool = True) -> dict:
     import megacompile
     from megacompile.capture.records import recording
 
     torch._dynamo.reset()
     model = _model(args)
+    if args.mark_layers:
+        megacompile.mark_repeated_layers(model)
     step = labels_training_step(model, lr=1e-4)
 
     # The CPU stand-in measures its device peak only under the eager lowering.
     options = {"device": args.device, "precision": args.precision, "memory_budget": _parse_bytes(args.budget),
                "lowering": "eager" if args.device == "cpu" else "inductor"}
-    if not fuse_head:
-        options["disable_passes"] = ["fuse_lm_head"]
-    elif args.head_chunk_tokens != "auto":
+    options["disable_passes"] = ([] if fuse_head else ["fuse_lm_head"]) + ([] if elide_mask else ["elide_causal_mask"])
+    if fuse_head and args.head_chunk_tokens != "auto":
         options["head_chunk_tokens"] = int(args.head_chunk_tokens)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args.vocab, (1, args.seq), generator=gen) for _ in range(args.steps)]
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     records: list = []
-    result: dict = {"variant": "fused head" if fuse_head else "unfused head", "error": None}
+    variant = ("fused head" if fuse_head else "unfused head") + ("" if elide_mask else ", mask kept (pass off)")
+    result: dict = {"variant": variant, "error": None}
     try:
         with recording(into=records):
             compiled = torch.compile(step, backend="megatrain", options=options)
@@ -115,7 +120,8 @@ def _table(args, results: list[dict]) -> str:
         f"# command: python benchmarks/long_context.py {' '.join(sys.argv[1:])}",
         f"# Llama: {args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, {args.heads} heads "
         f"({args.kv_heads} kv), vocab {args.vocab}; batch 1 x {args.seq:,} tokens; {args.precision}; "
-        f"budget {args.budget}; {args.steps} steps (step time: median after the first)",
+        f"budget {args.budget}; {args.steps} steps (step time: median after the first)"
+        + ("; decoder layers marked (mark_repeated_layers)" if args.mark_layers else ""),
     ]
     for r in results:
         lines.append("")
@@ -140,6 +146,12 @@ def _table(args, results: list[dict]) -> str:
     if fused and unfused:
         lines += ["", f"fused / unfused step time: {fused['step_s'] / unfused['step_s']:.3f}x "
                       f"(peaks {format_bytes(fused['planned_peak'])} / {format_bytes(unfused['planned_peak'])})"]
+    kept = next((r for r in results if r["variant"].endswith("mask kept (pass off)")), None)
+    if fused and kept and not kept["error"]:
+        lines += ["", f"mask elided / kept: planned peak {format_bytes(fused['planned_peak'])} / "
+                      f"{format_bytes(kept['planned_peak'])}, step time {fused['step_s'] / kept['step_s']:.3f}x"]
+    elif fused and kept:
+        lines += ["", f"mask elided / kept: fits at {format_bytes(fused['planned_peak'])} / does not fit the budget"]
     return "\n".join(lines)
 
 
@@ -159,11 +171,16 @@ def main() -> None:
     p.add_argument("--head-chunk-tokens", default="auto",
                    help="tokens per chunk of the fused head ('auto' leaves a head whose logits fit one chunk unfused)")
     p.add_argument("--compare-unfused", action="store_true", help="also train with the head unfused, in this run")
+    p.add_argument("--mark-layers", action="store_true", help="mark the decoder layers (mark_repeated_layers)")
+    p.add_argument("--compare-mask-kept", action="store_true",
+                   help="also train with elide_causal_mask switched off (the mask built), in this run")
     p.add_argument("--out", help="write the table here (default: benchmarks/results/long_context-<date>-<device>.txt)")
     args = p.parse_args()
     results = [run_variant(args, fuse_head=True)]
     if args.compare_unfused:
         results.append(run_variant(args, fuse_head=False))
+    if args.compare_mask_kept:
+        results.append(run_variant(args, fuse_head=True, elide_mask=False))
     text = _table(args, results)
     print(text)
     name = torch.cuda.get_device_name().lower().replace(" ", "-") if args.device == "cuda" else \

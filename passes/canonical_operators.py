@@ -17,6 +17,7 @@ import operator
 
 import torch.fx as fx
 
+from megacompile.core import torch_compat as compat
 from megacompile.passes.contract import PassContract
 
 CONTRACT = PassContract(name="canonical_operators", stages=("dynamo",), provides=frozenset({"operators_canonical"}))
@@ -54,7 +55,11 @@ def canonicalize(node: fx.Node) -> bool:
 
 
 def run(gm: fx.GraphModule, ctx) -> None:
-    changed = sum(canonicalize(node) for node in gm.graph.nodes)
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
+    # The bodies of marked layers too (nested_compile_region): elide_causal_mask reads the
+    # masks their attention calls are passed through them.
+    bodies = {getattr(gm, n.args[0].target) for n in gm.graph.nodes
+              if n.op == "call_function" and compat.is_invoke_subgraph(n.target) and n.args[0].op == "get_attr"}
+    for module in (gm, *bodies):
+        if sum(canonicalize(node) for node in module.graph.nodes):
+            module.graph.lint()
+            module.recompile()

@@ -11,6 +11,11 @@ attention call with a mask, interprets the mask's producers in the index algebra
 gets ``attn_mask=None, is_causal=True`` (the same attention: sdpa's causal mask is ``k <= q``
 when the lengths are equal) and the producers nothing else reads are erased.
 
+Marked layers (``nested_compile_region``) attend inside their one traced body, the mask an
+input of it: the body's mask is interpreted once per call, its inputs holding what that call
+passes, and rewritten only if it is causal at every call; the input it no longer reads is
+then dropped from the body and from each call, so the step builds no mask.
+
 A mask built from values unknown at compile time (an ``attention_mask`` input, padding), a
 sliding window, an offset, different lengths, or any op the algebra does not cover leaves
 the call as it was; the reason is in the attention node's ``meta["custom"]``, which
@@ -25,6 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from megacompile.core import index_algebra as ia
+from megacompile.core import torch_compat as compat
 from megacompile.core.index_algebra import Unknown
 from megacompile.core.mask_interpreter import MaskInterpreter, example_tensor, static_shape
 from megacompile.core.torch_compat import CPU_FLASH_ATTENTION
@@ -123,21 +129,104 @@ def _erase_dead(graph: fx.Graph, nodes: set[fx.Node]) -> int:
     return erased
 
 
-def run(gm: fx.GraphModule, ctx) -> None:
-    interpreter = MaskInterpreter()
-    for node in list(gm.graph.nodes):
+def _elide_in(graph: fx.Graph, interpreter_for) -> set[fx.Node]:
+    """Every attention call of ``graph`` whose mask is proven causal gets ``is_causal=True``;
+    ``interpreter_for()`` gives the interpreters to prove it with (all must). Returns the
+    nodes interpreted (what may have become dead)."""
+    interpreted: set[fx.Node] = set()
+    for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _ATTENTION:
             continue
         call = _Call(node)
         if call.mask is None:
             continue
+        notes = []
         try:
-            note = _prove(call, interpreter)
+            for where, interpreter in interpreter_for(call):
+                try:
+                    notes.append(_prove(call, interpreter))
+                finally:
+                    interpreted |= set(interpreter.values)
+                notes[-1] += where
         except Unknown as why:
             _note(node, f"kept: {why}")
             continue
         call.make_causal()
-        _note(node, note)
+        _note(node, notes[0])
+    return interpreted
+
+
+def _region_calls(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """The ``nested_compile_region`` calls of Dynamo's graph, by body (a ``gm`` attribute)."""
+    calls: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and compat.is_invoke_subgraph(n.target) and n.args[0].op == "get_attr":
+            calls.setdefault(n.args[0].target, []).append(n)
+    return calls
+
+
+def _inputs_behind(node) -> set[fx.Node]:
+    """The placeholders among a body node's producers."""
+    seen, stack = set(), [node] if isinstance(node, fx.Node) else []
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return {n for n in seen if n.op == "placeholder"}
+
+
+def _interpreters_at_calls(name: str, body: fx.GraphModule, calls: list[fx.Node], outer: MaskInterpreter):
+    """For one attention call of a region's body: per call of the region, an interpreter of the
+    body whose inputs behind the mask hold what that call passes (their values at the call
+    site, where the algebra knows them). A body is traced once for all its calls, so its mask
+    is causal only if it is at every call."""
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+
+    def interpreters(attention: _Call):
+        behind = _inputs_behind(attention.mask)
+        for call in calls:
+            inner = MaskInterpreter()
+            for p, operand in zip(placeholders, compat.invoke_subgraph_operands(call)):
+                if p not in behind:
+                    continue
+                try:
+                    if not isinstance(operand, fx.Node):
+                        raise Unknown(f"{operand!r} is not a tensor")
+                    inner.values[p] = outer.value(operand)
+                except Unknown as why:
+                    inner.failed[p] = f"the layer region's input {p.name} at its call '{call.name}': {why}"
+            yield f" (inside the layer region '{name}', at each of its {len(calls)} call(s))", inner
+    return interpreters
+
+
+def _drop_unread_inputs(body: fx.GraphModule, calls: list[fx.Node], candidates: set[fx.Node]) -> None:
+    """Removes the body's inputs among ``candidates`` that nothing reads any more (an elided
+    mask), from the body and from every call of it."""
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    unread = {i for i, p in enumerate(placeholders) if p in candidates and not p.users}
+    if not unread:
+        return
+    for i in sorted(unread, reverse=True):
+        body.graph.erase_node(placeholders[i])
+    for call in calls:
+        compat.set_invoke_subgraph_operands(
+            call, [o for i, o in enumerate(compat.invoke_subgraph_operands(call)) if i not in unread])
+
+
+def run(gm: fx.GraphModule, ctx) -> None:
+    interpreter = MaskInterpreter()
+    _elide_in(gm.graph, lambda call: [("", interpreter)])
+    # Attention inside marked layers (torch.compiler.nested_compile_region): the mask is built
+    # in the step and passed to every call of the layer's body.
+    for name, calls in _region_calls(gm).items():
+        body = getattr(gm, name)
+        interpreted = _elide_in(body.graph, _interpreters_at_calls(name, body, calls, interpreter))
+        if interpreted:
+            _erase_dead(body.graph, interpreted)
+            _drop_unread_inputs(body, calls, interpreted)
+            body.graph.lint()
+            body.recompile()
     _erase_dead(gm.graph, set(interpreter.values))
     gm.graph.lint()
     gm.recompile()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from conftest import COMPILED
 from reference_models import train_side_by_side
 
+import megacompile
 from megacompile.core.node_info import info
 from megacompile.passes import elide_causal_mask
 
@@ -194,6 +195,77 @@ def test_hf_padding_input_keeps_the_mask():
     assert ops and all(info(n).attention_mask.startswith("kept:") and "input of the graph" in info(n).attention_mask
                        for n in ops), [info(n).attention_mask for n in ops]
     assert all(n.kwargs.get("attn_mask") is not None for n in ops)
+
+
+def test_marked_layers_have_their_mask_elided_inside_the_region_and_train_like_eager():
+    """Layers marked with ``nested_compile_region`` (``mark_repeated_layers``) get the mask the step
+    builds as an input of their one traced body: proven causal there at every call, the body
+    attends with is_causal=True, the input is dropped from the body and its calls, and nothing
+    (tokens x tokens) is built any more."""
+    torch.manual_seed(0)
+    model = _hf("llama")
+    assert megacompile.mark_repeated_layers(model) == ["model.layers.0", "model.layers.1"]
+    pairs, reference = train_side_by_side(model, _step_of(), _batches(), {})
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=lambda m: f"{pname}: {m}")
+    record = next(r for r in COMPILED if r.backward is not None)
+    for gm in (record.forward, record.backward):
+        ops = _attention_ops(gm)
+        assert len(ops) == 2 and all(info(n).attention_mask.startswith("causal:") and "inside the layer region"
+                                     in info(n).attention_mask for n in ops), [info(n).attention_mask for n in ops]
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            assert not (isinstance(val, torch.Tensor) and val.dtype == torch.bool), n.format_node()
+
+
+def _region_pass_only(second):
+    """Two calls of one marked attention body, the first passed the causal mask and the second
+    ``second``; only canonical_operators and this pass run. (outputs, the eager outputs, the
+    body's attention node)."""
+    from megacompile.core import torch_compat as compat
+    from megacompile.passes import canonical_operators
+
+    @torch.compiler.nested_compile_region
+    def attend(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def fn(q, k, v):
+        q_i, k_i = _idx()
+        return attend(attend(q, k, v, k_i <= q_i), k, v, second(q_i, k_i))
+
+    graphs = []
+
+    def backend(gm, _example_inputs):
+        canonical_operators.run(gm, None)
+        elide_causal_mask.run(gm, None)
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*_qkv())
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and compat.is_invoke_subgraph(n.target)]
+    assert len(calls) == 2 and len({c.args[0].target for c in calls}) == 1
+    body = getattr(gm, calls[0].args[0].target)
+    (attention,) = [n for n in body.graph.nodes if n.target is F.scaled_dot_product_attention]
+    return out, fn(*_qkv()), attention, calls
+
+
+def test_a_region_mask_causal_at_every_call_is_elided_and_dropped_from_its_calls():
+    out, want, attention, calls = _region_pass_only(lambda q, k: (k < q + 1))
+    assert attention.meta["custom"][elide_causal_mask.NOTE_KEY].startswith("causal:")
+    assert attention.kwargs.get("attn_mask") is None and attention.kwargs.get("is_causal") is True
+    assert all(len(c.args) == 2 + 3 for c in calls)  # q, k, v: the mask input is gone
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_region_mask_causal_at_one_call_only_is_kept_naming_the_other():
+    out, want, attention, calls = _region_pass_only(lambda q, k: (k <= q) & (k > q - 3))
+    note = attention.meta["custom"][elide_causal_mask.NOTE_KEY]
+    assert note.startswith("kept:") and "is False where k - q = -7" in note, note
+    assert attention.kwargs.get("attn_mask") is not None and all(len(c.args) == 2 + 4 for c in calls)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 
 def test_every_small_comparison_is_judged_by_its_values():

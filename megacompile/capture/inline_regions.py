@@ -67,7 +67,7 @@ def _body_path(body: fx.GraphModule) -> str | None:
 def _operands(call: fx.Node) -> list:
     """The body's inputs among a call's arguments: ``invoke_subgraph(body, identifier, *operands)``,
     ``tag_activation_checkpoint(body, *operands)``."""
-    return list(call.args[2:] if compat.is_invoke_subgraph(call.target) else call.args[1:])
+    return compat.invoke_subgraph_operands(call) if compat.is_invoke_subgraph(call.target) else list(call.args[1:])
 
 
 def _copy_attribute(gm: fx.GraphModule, body: fx.GraphModule, name: str) -> str:

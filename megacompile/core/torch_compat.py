@@ -520,6 +520,17 @@ def is_invoke_subgraph(target) -> bool:
     return hop is not None and target is hop
 
 
+def invoke_subgraph_operands(call: fx.Node) -> list:
+    """The body's inputs among an ``invoke_subgraph`` call's arguments, in the order of the
+    body's placeholders: the call is ``invoke_subgraph(body, identifier, *operands)``."""
+    return list(call.args[2:])
+
+
+def set_invoke_subgraph_operands(call: fx.Node, operands: list) -> None:
+    """Passes ``operands`` to the call's body instead (after its placeholders changed alike)."""
+    call.args = (*call.args[:2], *operands)
+
+
 def _operand_key(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (type(value), tuple(str(s) for s in value.shape), tuple(str(s) for s in value.stride()),
