@@ -106,6 +106,17 @@ def plan(config: dict, *, seq_len: int, batch: int, budget: int, hardware: str, 
     return chosen["record"], ladders, time.perf_counter() - started, model
 
 
+def _runs(per_layer: dict) -> list[str]:
+    """Consecutive layers of one policy as one entry: ``model.layers.0 .. model.layers.19 keep``."""
+    runs: list[list] = []
+    for layer, policy in per_layer.items():
+        if runs and runs[-1][2] == policy:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, policy])
+    return [f"{first}{'' if first == last else ' .. ' + last} {policy}" for first, last, policy in runs]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model")
@@ -141,6 +152,15 @@ def main() -> None:
              f"d2h {predicted.d2h_s:.3f}, host optimizer {predicted.host_optimizer_s:.3f}, stalls "
              f"{predicted.exposed_wait_s:.3f}, host ops {host_s:.3f}); forward {predicted.forward.total_s:.3f}, "
              f"backward {predicted.backward.total_s:.3f}, host optimizer done at {optimizer_end:.3f}", ""]
+    template = record.plan.template
+    if template:  # planned on short copies of the step (template_planner)
+        kept = {layer: row["name"] for layer, row in record.plan.layer_costs.items()}
+        lines += [f"template planner: {template['repeated_layers']} repeated layers on copies of "
+                  f"{' and '.join(map(str, template['template_layers']))} layers; {template['candidates']} candidates "
+                  f"built there, {template.get('per_layer_mixes', 0)} per-layer splits priced from them; "
+                  f"{template['full_builds']} full build(s); extrapolated {format_bytes(template['extrapolated_peak'])}, "
+                  f"{template['extrapolated_seconds']:.3f} s",
+                  "per layer: " + "; ".join(_runs(kept)), ""]
     if ladders:
         candidates, rungs = ladders[-1]
         lines.append("plans built (* on the ladder): peak, predicted step, recomputed ops")

@@ -353,14 +353,12 @@ def megatrain(gm: fx.GraphModule, example_inputs: list, options: dict | None = N
         log.info("megatrain: %d activation checkpoint region(s) of the step inlined; the plan decides what is "
                  "recomputed", checkpoints)
     # Layers marked with torch.compiler.nested_compile_region: Dynamo traced each body once.
-    # AOTAutograd then traces and partitions each distinct body once too, and the step's
-    # partitioner inlines the partitioned bodies per call (capture.TrainingCompiler.partition).
-    # Under autocast (bf16) the calls are inlined here instead, before the passes on this graph,
-    # which read its ops and not those of a region's body: the causal mask's elision, token
-    # chunking. (Autocast itself would reach the bodies: kept as regions, a marked Llama's
-    # programs came out bit for bit the same; docs/results.md.) So they are where token_chunks
-    # gives a chunk count.
-    if opts.autocast_dtype is not None or chunk_tokens.chunks_now(opts):
+    # AOTAutograd then traces and partitions each distinct body once too (under autocast as
+    # well: the bodies are traced inside the step's autocast), and the step's partitioner
+    # inlines the partitioned bodies per call (capture.TrainingCompiler.partition). Token
+    # chunking reads the top-level graph's ops, not a region's body: where it chunks, the
+    # calls are inlined here first. (The causal mask's elision reaches into the bodies.)
+    if chunk_tokens.chunks_now(opts):
         inline_nested_regions(gm)
     reason = _unsupported_reason(gm)
     if reason is not None:

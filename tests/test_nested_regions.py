@@ -219,6 +219,33 @@ def test_marked_hugging_face_llama_layers_are_traced_and_partitioned_once(monkey
         assert rows[layer].param_bytes == per_layer and rows[layer].h2d_bytes >= per_layer
 
 
+def test_marked_layers_under_bf16_stay_regions_and_train_like_eager_autocast(monkeypatch):
+    """Under ``precision="bf16"`` marked layers stay regions through AOTAutograd, traced inside the
+    step's autocast: the layer's joint graph is partitioned once for all layers (they were inlined
+    and traced one by one before, for the causal mask's elision, which now reaches into the
+    body), the mask is elided there, and training equals eager autocast (the stock bf16 bound)."""
+    from reference_models import labels_training_step, tiny_llama, train_side_by_side
+
+    body_partitions = _count_body_partitions(monkeypatch)
+    torch.manual_seed(0)
+    model = tiny_llama(3)
+    model.set_attn_implementation("sdpa")  # the attention whose mask is elided
+    assert len(megacompile.mark_repeated_layers(model)) == 3
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 96, (2, 16), generator=gen),) for _ in range(2)]
+    budget = training_state_bytes(model) // 4
+    pairs, _ = train_side_by_side(model, labels_training_step, batches, {"memory_budget": budget, "precision": "bf16"},
+                                  autocast=True)
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=2.0**-12, atol=0)
+    assert _once_per_body(body_partitions)
+    report = megacompile.last_report()
+    assert report.measured_peak_device_bytes == report.planned_peak_device_bytes <= budget
+    record = next(r for r in COMPILED if r.backward is not None)
+    notes = [info(n).attention_mask for n in record.forward.graph.nodes if has_info(n) and info(n).attention_mask]
+    assert len(notes) == 3 and all(note.startswith("causal:") and "inside the layer region" in note for note in notes)
+
+
 def test_backward_calls_pair_with_their_forward_calls_without_call_ids(monkeypatch):
     # torch 2.11 records no meta["custom"]["call_id"] on invoke_subgraph calls (found on the
     # GPU machine): a backward call is then paired with the forward call whose saved values it

@@ -28,7 +28,8 @@ from megacompile.core import torch_compat as compat
 from megacompile.core.node_info import BODY_NODE
 
 
-def _call_site_path(node: fx.Node) -> str | None:
+def call_site_path(node: fx.Node) -> str | None:
+    """The module path of the layer a region call runs (its call site's innermost module)."""
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else None
 
@@ -150,7 +151,7 @@ def _inline_calls(gm: fx.GraphModule, call_site, body_path, tag_of, is_call=None
 
 
 def _own_site(call: fx.Node) -> tuple[str | None, dict]:
-    new = _call_site_path(call)
+    new = call_site_path(call)
     return new, {k: v for k, v in (call.meta.get("nn_module_stack") or {}).items() if v[0] != new}
 
 
@@ -170,7 +171,7 @@ def inline_partitioned_regions(joint: fx.GraphModule) -> int:
 
     forward_sites, forward_calls = {}, {}
     for n in joint.graph.nodes:
-        if n.op == "call_function" and compat.is_invoke_subgraph(n.target) and _call_site_path(n):
+        if n.op == "call_function" and compat.is_invoke_subgraph(n.target) and call_site_path(n):
             forward_calls[n] = _own_site(n)
             if call_id(n) is not None:
                 forward_sites[call_id(n)] = forward_calls[n]

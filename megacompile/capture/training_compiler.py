@@ -29,7 +29,7 @@ from megacompile.core import kernel_dtypes, token_chunks
 from megacompile.core import torch_compat as compat
 from megacompile.core.collector import cycle_collector_paused
 from megacompile.core.errors import BudgetError, DataParallelError, UnsupportedGraph
-from megacompile.core.node_info import info, layer_of_module_path
+from megacompile.core.node_info import info, layer_of_module_path, normalize_module_path
 from megacompile.core.units import format_bytes
 from megacompile.optimizer import overlap
 from megacompile.optimizer.eager_update_watch import EagerUpdateWatch
@@ -162,25 +162,27 @@ class TrainingCompiler:
                 layers.append(layer)
         return layers, [info(n).source for n in used_in_both_phases(joint)]
 
-    def _templates(self, joint: fx.GraphModule, num_fwd_outputs: int, make_maker) -> tuple[list, int]:
+    def _templates(self, joint: fx.GraphModule, num_fwd_outputs: int, make_maker) -> tuple[list, list[str | None]]:
         """Short copies of the (not yet inlined) joint graph to plan its repeated layers on
-        (``template_planner``), and how many repeated layers the full graph has; ([], 0) where
-        the option, the budget or the graph's structure rules them out."""
+        (``template_planner``), and the module paths of the full graph's repeated layers (their
+        calls' sites, in forward order); ([], []) where the option, the budget or the graph's
+        structure rules them out."""
         mode = self.options.plan_repeats
         if mode == "flat" or self.options.memory_budget is None or self.options.recompute == "always":
-            return [], 0
+            return [], []
         chain = find_repeat_chain(joint)
         if chain is None or len(chain) < MIN_LAYERS[mode]:
-            return [], 0
+            return [], []
         templates = []
         for k in DEPTHS:
             short = truncated_joint(joint, chain, k)
             if short is None:
-                return [], 0
+                return [], []
             inline_regions.inline_partitioned_regions(short)
             self._prepare(short)
             templates.append(Template(k, make_maker(self._builder(short, num_fwd_outputs), short), short))
-        return templates, len(chain)
+        return templates, [layer_of_module_path(normalize_module_path(inline_regions.call_site_path(call) or ""))
+                           for call in chain.forward]
 
     def _params_read_by(self, joint: fx.GraphModule) -> int:
         """How many parameter elements ``joint`` reads (its placeholders follow the inputs)."""
@@ -263,9 +265,9 @@ class TrainingCompiler:
         chunked = [n for n in joint.graph.nodes if n.op == "call_function" and n.target in token_chunks.OPS]
         choosing = bool(chunked) and self.options.token_chunks == chunk_tokens.PLANNER_CHOOSES
         try:
-            templates, repeated = ([], 0) if choosing else self._templates(joint, num_fwd_outputs, make_maker)
+            templates, repeated = ([], []) if choosing else self._templates(joint, num_fwd_outputs, make_maker)
         except Exception as e:  # noqa: BLE001  (an optimization: the flat planner plans what it cannot)
-            templates, repeated = [], 0
+            templates, repeated = [], []
             _template_failed(e)
         inline_regions.inline_partitioned_regions(joint)
         if num_forward_outputs(joint) != num_fwd_outputs:  # the recompute pass counts them from the graph
@@ -276,8 +278,10 @@ class TrainingCompiler:
         chosen = None
         if templates:
             try:
-                chosen = template_planner.plan_with_templates(make_maker(build), joint, templates, repeated,
-                                             self.options, profile)
+                # The repeated layers by the names the inlined graph's layers have (per-layer mixes).
+                named = [layer for layer in layers if layer in repeated]
+                chosen = template_planner.plan_with_templates(make_maker(build), joint, templates, len(repeated),
+                                                              self.options, profile, named)
             except Exception as e:  # noqa: BLE001
                 _template_failed(e)
         if chosen is None and choosing:

@@ -12,7 +12,9 @@ updating its own parameters, so that every lane grows with the layers as at full
 fastest candidate whose extrapolated peak fits the budget is built over the full graph, once,
 and checked against the budget with the same estimate the flat planner uses. If it does not
 fit, the next fastest is built, and so on; after ``MAX_FULL_BUILDS`` misses the flat planner
-takes over. So the budget is
+takes over. Beside the candidates built on the copies, every split of the repeated layers among
+keep, recompute and streamed (the flat planner's per-layer rungs) is priced from the uniform
+ones without a build of its own (``_per_layer_mixes``). So the budget is
 never trusted to an extrapolation: the plan that runs is one whose full-depth build fits.
 
 Where keeping every activation fits (by the extrapolation), the flat planner is used: it
@@ -33,6 +35,7 @@ from megacompile.core.units import format_bytes
 from megacompile.plan.depth_extrapolation import extend_to_depth, per_layer_from_two_depths
 from megacompile.plan.flat_planner import Attempt, PlanMaker, saved_groups, solver_mixes
 from megacompile.plan.solvers import SOLVERS, Option
+from megacompile.plan.streamed_layers import STREAMED, STREAMING_REASON, layer_inputs, mixed_spec
 from megacompile.plan.training_plan import PlanSpec
 
 # The two short copies of the step: k layers each (the chain's first k-1 and its last).
@@ -79,11 +82,12 @@ class Priced:
     """A spec built on both templates and extrapolated to the full depth."""
 
     spec: Spec
-    attempts: tuple  # one Attempt per template
+    attempts: tuple  # one Attempt per template (none for a per-layer mix, priced from the uniform ones)
     peak: float
     seconds: float
     recomputed: float
     host_activation_bytes: float = 0.0
+    counts: dict | None = None  # a per-layer mix: repeated layers per policy (MIX_POLICIES)
 
 
 def _extrapolate(values: list[float], depths: tuple, n: int) -> float:
@@ -143,6 +147,66 @@ def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Te
     return specs
 
 
+def _streamed_all(recompute: Priced, template: Template) -> Spec:
+    """Every layer streamed (the flat planner's streaming minimum, stated per body node and glue
+    name): recompute-all with every value it saves offloaded, so a layer is replayed in the
+    backward from its input, which waits on the host."""
+    nodes = {n.name: n for n in template.joint.graph.nodes}
+    by_origin, by_name = {}, {}
+    for name in recompute.attempts[-1].plan.saved_values:
+        node = nodes.get(name)
+        if node is None:
+            continue
+        origin = node.meta.get(BODY_NODE)
+        if origin is not None:
+            by_origin[origin] = ("offload", STREAMING_REASON)
+        else:
+            by_name[name] = ("offload", STREAMING_REASON)
+    return Spec("recompute, layer inputs offloaded (all layers)", default="recompute", by_origin=by_origin,
+                by_name=by_name)
+
+
+# Per-layer mixes: how many repeated layers are kept, recomputed and streamed (the flat
+# planner's per-layer rungs, whose best plans at Llama-2-7B in bf16 keep some layers and stream
+# the rest).
+MIX_POLICIES = ("keep", "recompute", STREAMED)
+
+
+def _quantities(a) -> tuple:
+    return a.peak, a.plan.predicted_seconds, len(a.plan.recomputed_ops), a.host_activation_bytes
+
+
+def _per_layer_mixes(uniform: dict[str, Priced], depths: tuple, n: int) -> list[Priced]:
+    """Every split of the n repeated layers among keep, recompute and streamed that is not
+    uniform, priced from the uniform candidates' copies: what one layer of each policy adds
+    (the two copies' difference), counted per policy, on top of recompute-all's fixed part (a
+    mix recomputes the glue, the layers outside the chain, as recompute-all does). An
+    estimate: the chosen mix is built over the full graph and checked as every candidate is,
+    and a miss corrects the estimate of the next (``plan_with_templates``)."""
+    on_copies = {policy: [_quantities(a) for a in priced.attempts] for policy, priced in uniform.items()}
+    slope = {policy: [per_layer_from_two_depths([q[i] for q in rows], depths) for i in range(4)]
+             for policy, rows in on_copies.items()}
+    fixed = [on_copies["recompute"][-1][i] - depths[-1] * slope["recompute"][i] for i in range(4)]
+    out = []
+    for kept in range(n + 1):
+        for recomputed in range(n - kept + 1):
+            counts = {"keep": kept, "recompute": recomputed, STREAMED: n - kept - recomputed}
+            if max(counts.values()) == n:
+                continue  # uniform: priced from its own copies
+            value = [fixed[i] + sum(c * slope[p][i] for p, c in counts.items()) for i in range(4)]
+            label = ", ".join(f"{'streamed' if p == STREAMED else p} {c}" for p, c in counts.items() if c)
+            out.append(Priced(Spec(f"per-layer ({label})"), (), *value, counts=counts))
+    return out
+
+
+def _mix_layers(mix: Priced, repeated: list[str]) -> dict[str, str]:
+    """Each repeated layer's policy in a mix: the first layers streamed, the next recomputed, the
+    last kept (their backward runs first, with nothing to replay or load, while the earlier
+    layers' inputs come back). The glue is recomputed (``mixed_spec``'s default there)."""
+    order = [STREAMED] * mix.counts[STREAMED] + ["recompute"] * mix.counts["recompute"] + ["keep"] * mix.counts["keep"]
+    return dict(zip(repeated, order))
+
+
 def fastest_fitting(priced: list[Priced], budget: int, host_budget: int | None) -> list[Priced]:
     """The candidates whose extrapolated peak fits the budget (and their host bytes the host's),
     fastest first; ties go to the one that recomputes less, then to the smaller peak.
@@ -167,9 +231,11 @@ def _deeper_prefetch_may_pay(rung: Priced, template: Template) -> bool:
 
 
 def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: list[Template], n: int,
-                        options, profile) -> Attempt | None:
+                        options, profile, repeated_layers: list[str] | None = None) -> Attempt | None:
     """The plan for the full graph, or None where the flat planner should plan it (keeping
-    every activation fits; recompute='always'; no rung's full-depth build fits)."""
+    every activation fits; recompute='always'; no rung's full-depth build fits).
+    ``repeated_layers``: the full graph's names of the n repeated layers in forward order
+    (per-layer mixes are priced only where they are known)."""
     budget = options.memory_budget
     if budget is None or options.recompute == "always":
         return None
@@ -177,32 +243,67 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: 
     if keep.peak <= budget:
         return None  # the flat planner's first rungs: a few builds, no ladder
     priced = [keep, _price(Spec("offload (all layers)", default="offload"), templates, n)]
+    recompute = None
     if options.recompute != "never":
-        priced.append(_price(Spec("recompute (all layers)", default="recompute"), templates, n))
+        recompute = _price(Spec("recompute (all layers)", default="recompute"), templates, n)
+        priced.append(recompute)
     floor = min(p.peak for p in priced)
     template_floor = min(p.attempts[-1].peak for p in priced)
     mixes = _uniform_mixes(keep, floor, template_floor, templates[-1], profile, options, n)
     priced += [_price(spec, templates, n) for spec in mixes]
-    for rung in fastest_fitting(priced, budget, options.host_activation_budget)[:MAX_FULL_BUILDS]:
-        # Built with inspect's snapshots: it is most likely the plan that runs, and capture
-        # would otherwise build it a second time to take them.
-        attempt = rung.spec.build(full, full_joint, snapshots=True)
+    uniform = {"keep": keep}
+    if (recompute is not None and recompute.attempts[-1].plan.saved_values and repeated_layers
+            and len(repeated_layers) == n):
+        uniform.update(recompute=recompute)
+        uniform[STREAMED] = _price(_streamed_all(recompute, templates[-1]), templates, n)
+        priced.append(uniform[STREAMED])
+    on_copies = len(priced)
+    if len(uniform) == len(MIX_POLICIES):
+        priced += _per_layer_mixes(uniform, tuple(t.k for t in templates), n)
+    tried: list[Priced] = []
+    inputs = None  # the repeated layers' inputs (streamed_layers.layer_inputs), from recompute-all's full build
+    while len(tried) < MAX_FULL_BUILDS:
+        rung = next((p for p in fastest_fitting(priced, budget, options.host_activation_budget)
+                     if not any(p is t for t in tried)), None)
+        if rung is None:
+            break
+        tried.append(rung)
+        if rung.counts is None:
+            # Built with inspect's snapshots: it is most likely the plan that runs, and capture
+            # would otherwise build it a second time to take them.
+            attempt = rung.spec.build(full, full_joint, snapshots=True)
+        else:
+            if inputs is None:
+                inputs = layer_inputs(Spec("recompute (all layers)", default="recompute").build(full, full_joint),
+                                      repeated_layers)
+            per_layer = _mix_layers(rung, repeated_layers)
+            attempt = full.make(mixed_spec(rung.spec.name, per_layer, inputs, default="recompute"), snapshots=True)
+            attempt.plan.layer_costs = {layer: {"name": p} for layer, p in per_layer.items()}
         if not full.fits(attempt):
+            if rung.counts is not None:
+                # The mixes share one estimate: what it missed by here it likely misses by for the others.
+                for p in priced:
+                    if p.counts is not None:
+                        p.peak += max(0, attempt.peak - rung.peak)
+                        p.host_activation_bytes += max(0, attempt.host_activation_bytes - rung.host_activation_bytes)
             continue
         attempt.plan.predicted_seconds = full.predict_seconds(attempt)
-        chosen = full.with_tuned_prefetch(attempt) if _deeper_prefetch_may_pay(rung, templates[-1]) else attempt
-        builds = full.builds  # the rungs tried and a deeper-prefetch variant, if one was built
+        shown_by = [rung] if rung.counts is None else [uniform[p] for p, c in rung.counts.items() if c]
+        may_pay = any(_deeper_prefetch_may_pay(r, templates[-1]) for r in shown_by)
+        chosen = full.with_tuned_prefetch(attempt) if may_pay else attempt
+        builds = full.builds  # the rungs tried, recompute-all for the mixes' inputs, a deeper-prefetch variant
         chosen.plan.reason = (
             f"keeping every activation needs about {format_bytes(keep.peak)} (extrapolated) > budget "
             f"{format_bytes(budget)}; {n} repeated layers planned on {len(templates)} short copies of the step "
-            f"({' and '.join(str(t.k) for t in templates)} layers): {len(priced)} candidates, each deciding alike for "
-            f"every repeated layer, priced there and extrapolated; the fastest whose extrapolated peak fits was "
+            f"({' and '.join(str(t.k) for t in templates)} layers): {on_copies} candidates deciding alike for every "
+            f"repeated layer, priced there and extrapolated, and {len(priced) - on_copies} per-layer splits among "
+            f"keep, recompute and streamed priced from them; the fastest whose extrapolated peak fits was "
             f"built over the full graph ({builds} full build(s)) and fits at {format_bytes(chosen.peak)} (predicted "
             f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver)")
         chosen.plan.template = {
-            "repeated_layers": n, "template_layers": [t.k for t in templates], "candidates": len(priced),
-            "full_builds": builds, "extrapolated_peak": int(rung.peak), "extrapolated_seconds": rung.seconds,
+            "repeated_layers": n, "template_layers": [t.k for t in templates], "candidates": on_copies,
+            "per_layer_mixes": len(priced) - on_copies, "full_builds": builds, "extrapolated_peak": int(rung.peak),
+            "extrapolated_seconds": rung.seconds,
         }
         return chosen
     return None
-
