@@ -32,9 +32,9 @@ def _qkv(q_len=S, kv_len=S, batch=2):
             torch.randn(batch, 2, kv_len, 4, generator=gen))
 
 
-def _run_pass_only(fn, *args):
+def _compiled_with_this_pass_only(fn, *args):
     """fn compiled with a backend that runs only this pass on Dynamo's graph (after
-    canonical_operators, whose one spelling of the operators it uses): (output, notes, masks left)."""
+    canonical_operators, whose one spelling of the operators it uses): (output, the graph)."""
     from megacompile.passes import canonical_operators
 
     graphs = []
@@ -47,6 +47,12 @@ def _run_pass_only(fn, *args):
 
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
     (gm,) = graphs
+    return out, gm
+
+
+def _run_pass_only(fn, *args):
+    """``_compiled_with_this_pass_only``: (output, notes, masks left)."""
+    out, gm = _compiled_with_this_pass_only(fn, *args)
     calls = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
     notes = [n.meta["custom"][elide_causal_mask.NOTE_KEY] for n in calls]
     masks = [n.kwargs.get("attn_mask") for n in calls]
@@ -161,11 +167,11 @@ def _attention_ops(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_hf_mask_is_elided_and_training_equals_eager(name):
-    torch.manual_seed(0)
-    model = _hf(name)
-    pairs, reference = train_side_by_side(model, _step_of(), _batches(), {"snapshots": True})
+def _trains_like_eager_with_the_mask_elided(model, options: dict, note: str = ""):
+    """Two AdamW steps of ``model`` (2 attention layers) under megatrain and eagerly, asserted
+    equal (fp32: 1e-5), with every attention of both programs causal (its note holding ``note``)
+    and nothing (tokens x tokens) built: no bool tensor, no compare of indices. The record."""
+    pairs, reference = train_side_by_side(model, _step_of(), _batches(), options)
     for got, want in pairs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -173,13 +179,20 @@ def test_hf_mask_is_elided_and_training_equals_eager(name):
     record = next(r for r in COMPILED if r.backward is not None)
     for gm in (record.forward, record.backward):
         ops = _attention_ops(gm)
-        assert len(ops) == 2 and all(info(n).attention_mask.startswith("causal:") for n in ops)
+        notes = [info(n).attention_mask for n in ops]
+        assert len(ops) == 2 and all(n.startswith("causal:") and note in n for n in notes), notes
         assert all(n.args[4] is True and n.kwargs.get("attn_mask") is None for n in ops if "backward" not in
                    str(n.target))
-        # Nothing (tokens x tokens) is built any more: no bool tensor, no compare of indices.
         for n in gm.graph.nodes:
             val = n.meta.get("val")
             assert not (isinstance(val, torch.Tensor) and val.dtype == torch.bool), n.format_node()
+    return record
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_hf_mask_is_elided_and_training_equals_eager(name):
+    torch.manual_seed(0)
+    record = _trains_like_eager_with_the_mask_elided(_hf(name), {"snapshots": True})
     forward = next(s.text for s in record.snapshots if s.graph == "forward" and s.stage == "annotate")
     assert "attention mask causal:" in forward
 
@@ -205,19 +218,7 @@ def test_marked_layers_have_their_mask_elided_inside_the_region_and_train_like_e
     torch.manual_seed(0)
     model = _hf("llama")
     assert megacompile.mark_repeated_layers(model) == ["model.layers.0", "model.layers.1"]
-    pairs, reference = train_side_by_side(model, _step_of(), _batches(), {})
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=lambda m: f"{pname}: {m}")
-    record = next(r for r in COMPILED if r.backward is not None)
-    for gm in (record.forward, record.backward):
-        ops = _attention_ops(gm)
-        assert len(ops) == 2 and all(info(n).attention_mask.startswith("causal:") and "inside the layer region"
-                                     in info(n).attention_mask for n in ops), [info(n).attention_mask for n in ops]
-        for n in gm.graph.nodes:
-            val = n.meta.get("val")
-            assert not (isinstance(val, torch.Tensor) and val.dtype == torch.bool), n.format_node()
+    _trains_like_eager_with_the_mask_elided(model, {}, note="inside the layer region")
 
 
 def _region_pass_only(second):
@@ -225,7 +226,6 @@ def _region_pass_only(second):
     ``second``; only canonical_operators and this pass run. (outputs, the eager outputs, the
     body's attention node)."""
     from megacompile.core import torch_compat as compat
-    from megacompile.passes import canonical_operators
 
     @torch.compiler.nested_compile_region
     def attend(q, k, v, mask):
@@ -235,16 +235,7 @@ def _region_pass_only(second):
         q_i, k_i = _idx()
         return attend(attend(q, k, v, k_i <= q_i), k, v, second(q_i, k_i))
 
-    graphs = []
-
-    def backend(gm, _example_inputs):
-        canonical_operators.run(gm, None)
-        elide_causal_mask.run(gm, None)
-        graphs.append(gm)
-        return gm.forward
-
-    out = torch.compile(fn, backend=backend, fullgraph=True)(*_qkv())
-    (gm,) = graphs
+    out, gm = _compiled_with_this_pass_only(fn, *_qkv())
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and compat.is_invoke_subgraph(n.target)]
     assert len(calls) == 2 and len({c.args[0].target for c in calls}) == 1
     body = getattr(gm, calls[0].args[0].target)

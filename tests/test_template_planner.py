@@ -87,6 +87,29 @@ def _planned(depth: int, budget_fraction: float, mode: str):
     return _plan_of_last_compile(), budget
 
 
+def _template_plan_trains_like_eager(depth: int, budget_fraction: float):
+    """Two steps of a fresh marked Net under ``budget_fraction`` of its training state, planned on
+    the template, and of its eager twin, asserted equal, with measured = planned peak <= budget:
+    the plan."""
+    torch.manual_seed(0)
+    model = Net(depth)
+    reference = copy.deepcopy(model)
+    assert len(megacompile.mark_repeated_layers(model)) == depth
+    budget = int(training_state_bytes(model) * budget_fraction)
+    compat.reset_dynamo()
+    compiled = _compile(model, budget, "template")
+    eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        batch = _batch(gen)
+        torch.testing.assert_close(compiled(*batch), eager_step(*batch), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
+    report = megacompile.last_report()
+    assert report.measured_peak_device_bytes == report.planned_peak_device_bytes <= budget
+    return _plan_of_last_compile()
+
+
 def test_template_plan_fits_trains_like_eager_and_builds_the_full_graph_a_few_times(monkeypatch):
     builds = []
     original = capture.TrainingCompiler._builder
@@ -101,23 +124,7 @@ def test_template_plan_fits_trains_like_eager_and_builds_the_full_graph_a_few_ti
         return counted if n_calls else build
 
     monkeypatch.setattr(capture.TrainingCompiler, "_builder", counting)
-    torch.manual_seed(0)
-    model = Net(6)
-    reference = copy.deepcopy(model)
-    assert len(megacompile.mark_repeated_layers(model)) == 6
-    budget = int(training_state_bytes(model) * 0.3)
-    compat.reset_dynamo()
-    compiled = _compile(model, budget, "template")
-    eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        batch = _batch(gen)
-        torch.testing.assert_close(compiled(*batch), eager_step(*batch), rtol=1e-5, atol=0)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
-    report = megacompile.last_report()
-    assert report.measured_peak_device_bytes == report.planned_peak_device_bytes <= budget
-    plan = _plan_of_last_compile()
+    plan = _template_plan_trains_like_eager(6, 0.3)
     assert plan.template is not None, plan.reason
     assert plan.value_policy and "offload" in plan.value_policy.values() or plan.recomputed_ops
     # Every candidate was built on the short copies; the full graph (the largest) only for the
@@ -328,25 +335,9 @@ def test_a_budget_under_recompute_alls_peak_is_met_by_a_per_layer_mix_as_fast_as
     template planner prices every split from the uniform candidates' copies (what one layer of
     each policy adds) and builds the fastest that fits over the full graph: its extrapolated
     peak is the full build's, it fits, trains like eager and is within 5% of the flat planner's
-    per-layer choice (Llama-2-7B in bf16 at 60 GiB: the same predicted step, 39 against 113 s
-    of compiling; docs/results.md)."""
-    torch.manual_seed(0)
-    model = Net(12)
-    reference = copy.deepcopy(model)
-    megacompile.mark_repeated_layers(model)
-    budget = int(training_state_bytes(model) * 0.15)
-    compat.reset_dynamo()
-    compiled = _compile(model, budget, "template")
-    eager_step, _ = make_training_step(reference, F.mse_loss, lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        batch = _batch(gen)
-        torch.testing.assert_close(compiled(*batch), eager_step(*batch), rtol=1e-5, atol=0)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5)
-    plan = _plan_of_last_compile()
-    report = megacompile.last_report()
-    assert report.measured_peak_device_bytes == report.planned_peak_device_bytes <= budget
+    per-layer choice (Llama-2-7B in bf16 at 60 GiB: the same predicted step, compiled in about a
+    third of the time; docs/results.md)."""
+    plan = _template_plan_trains_like_eager(12, 0.15)
     assert plan.template is not None and plan.policy.startswith("per-layer ("), plan.reason
     assert plan.template["per_layer_mixes"] == (11 + 1) * (11 + 2) // 2 - 3  # 11 chained layers, uniform splits out
     assert abs(plan.template["extrapolated_peak"] - plan.peak_bytes) <= 0.05 * plan.peak_bytes
