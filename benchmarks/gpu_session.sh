@@ -38,7 +38,10 @@
 # "peers_7b" (at most 585 s): issue 17's side by side at 32 layers, megatrain first; of 2026-11-27 (H200) megatrain took
 #   170 s, FSDP2 111 s, MegaTrain's code 115 s, and DeepSpeed was cut inside its initialize at 109 s.
 # "rss32" (about 200 s; the next session's first call, then "max_tokens" on the same machine): 7B with
-#   host_activation_budget=0, issue 17's RSS target. DeepSpeed's 32-layer row is settled: of 2026-11-27 (H200) it was
+#   host_activation_budget=0, issue 17's RSS target. Since 2026-11-28 bf16 7B steps are planned on the template (marked
+#   layers kept as regions): on the CPU this plan is keep 4 / recompute 28 decoder layers, 52.39 GiB, 2.913 s predicted
+#   (the flat planner's peak and step), and the default 60 GiB plan keep 7 / recompute 5 / streamed 20 at 2.868 s, each
+#   compiled in about a third of the flat planner's time (runtime_plan-2026-11-28-*-template-mixes.txt). DeepSpeed's 32-layer row is settled: of 2026-11-27 (H200) it was
 #   killed at 123.4 GiB RSS at 24 layers and ran at 16 (peers-2026-11-27-nvidia-h200-peers-ds-*layers.txt).
 # "peers" (about 10 minutes): the other systems of benchmarks/peers.py at 8 layers, on the machine
 #   that ran "next" (merge the two files with peers.py --merge-into). It needs
