@@ -13,6 +13,7 @@ where MKL's is 1 ulp off for some elements, which bf16 would amplify), the large
     python benchmarks/model_sweep.py --at-minimum        # each at the smallest budget its planner accepts
     python benchmarks/model_sweep.py --at-minimum --cases dbrx --calls-before-backward 8
     python benchmarks/model_sweep.py --precision fp32 --overlap-optimizer   # updates overlapped with the backward
+    python benchmarks/model_sweep.py --layers 10 --mark-layers   # marked layers, planned on the template
 
 Parameters can differ by Adam's normalised noise where a true gradient is zero (attention key
 biases), so losses are the comparison; a fallback or an error is what the sweep looks for.
@@ -32,17 +33,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import megacompile
+from megacompile.capture.records import recording
 
 VOCAB = 128
 LM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB,
           max_position_embeddings=64)
 
 
+# --layers: the depth of the cases whose config names num_hidden_layers (None: as written).
+LAYERS: int | None = None
+
+
 def _hf(config_class: str, model_class: str, **config):
     def build():
         import transformers  # lazy: only the Hugging Face cases need it
 
-        return getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+        depth = {"num_hidden_layers": LAYERS} if LAYERS and "num_hidden_layers" in config else {}
+        return getattr(transformers, model_class)(getattr(transformers, config_class)(**{**config, **depth}))
     return build
 
 
@@ -392,7 +399,9 @@ def run_case(name: str, precision: str, args) -> str:
     model = build()
     model.train()
     reference = copy.deepcopy(model)
-    budget = int(sum(p.numel() * 16 for p in model.parameters()) * fraction)
+    if args.mark_layers:
+        megacompile.mark_repeated_layers(model)  # the eager twin keeps plain layers
+    budget = int(sum(p.numel() * 16 for p in model.parameters()) * (args.fraction or fraction))
     options = {"device": "cpu", "lowering": args.lowering, "memory_budget": budget, "precision": precision}
     if args.token_chunks:
         options["token_chunks"] = args.token_chunks
@@ -411,8 +420,9 @@ def run_case(name: str, precision: str, args) -> str:
             return f"{name:14s} {precision:5s} ERROR finding the smallest budget: {type(e).__name__}: " \
                    f"{str(e).splitlines()[0][:300]}"
     g = torch.Generator().manual_seed(1)
+    records: list = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, recording(into=records):
             warnings.simplefilter("always")
             compiled = torch.compile(make(model), backend="megatrain", options=options)
             eager = make(reference)
@@ -447,6 +457,7 @@ def run_case(name: str, precision: str, args) -> str:
                    if o["overlapped"] else f"  not overlapped: {o['reason'][:80]}")
     return (f"{name:14s} {precision:5s} loss {worst:8.1e}  params {params:8.1e}  "
             f"{time.perf_counter() - started:5.1f} s{at}{overlap}  plan: {report.policy if report else '-'}"
+            + (" (template planner)" if any(r.plan is not None and r.plan.template for r in records) else "")
             + (f"  WARNING {fallbacks}" if fallbacks else ""))
 
 
@@ -504,10 +515,18 @@ def main() -> None:
                    help="option calls_before_backward (DBRX: its per-expert graph runs 8 times before the backward)")
     p.add_argument("--overlap-optimizer", action="store_true",
                    help="option overlap_optimizer=True: the host AdamW updates each layer as its gradients land")
+    p.add_argument("--layers", type=int, default=None,
+                   help="depth of the cases whose config sets num_hidden_layers (the Hugging Face LMs)")
+    p.add_argument("--mark-layers", action="store_true",
+                   help="megacompile.mark_repeated_layers(model) first (from 8 chained layers: the template planner)")
+    p.add_argument("--fraction", type=float, default=None,
+                   help="budget as this fraction of the training state (16 B/param) for every case, not the case's own")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--at-minimum", action="store_true",
                    help="train at the smallest budget the planner accepts (from BudgetError), not at the case's fraction")
     args = p.parse_args()
+    global LAYERS
+    LAYERS = args.layers
     print(f"# {' '.join(sys.argv)}")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  "
           f"torch {torch.__version__}; loss: largest |megatrain - eager| / eager over {args.steps} steps; "
