@@ -131,7 +131,7 @@ def _erase_dead(graph: fx.Graph, nodes: set[fx.Node]) -> int:
 
 def _elide_in(graph: fx.Graph, interpreter_for) -> set[fx.Node]:
     """Every attention call of ``graph`` whose mask is proven causal gets ``is_causal=True``;
-    ``interpreter_for()`` gives the interpreters to prove it with (all must). Returns the
+    ``interpreter_for(call)`` gives the interpreters to prove it with (all must). Returns the
     nodes interpreted (what may have become dead)."""
     interpreted: set[fx.Node] = set()
     for node in list(graph.nodes):
@@ -156,13 +156,25 @@ def _elide_in(graph: fx.Graph, interpreter_for) -> set[fx.Node]:
     return interpreted
 
 
-def _region_calls(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
-    """The ``nested_compile_region`` calls of Dynamo's graph, by body (a ``gm`` attribute)."""
-    calls: dict[str, list[fx.Node]] = {}
+def _region_calls(gm: fx.GraphModule) -> dict[fx.GraphModule, list[fx.Node]]:
+    """The ``nested_compile_region`` calls of Dynamo's graph, by body (one body may be a ``gm``
+    attribute under several names)."""
+    calls: dict[fx.GraphModule, list[fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and compat.is_invoke_subgraph(n.target) and n.args[0].op == "get_attr":
-            calls.setdefault(n.args[0].target, []).append(n)
+            calls.setdefault(getattr(gm, n.args[0].target), []).append(n)
     return calls
+
+
+def _called_inside_a_region(gm: fx.GraphModule, body: fx.GraphModule) -> bool:
+    """Whether some region's body reads ``body`` too (a region called inside another): its calls
+    there pass masks this pass does not see, so the body is left as it is."""
+    for _, module in gm.named_modules():
+        if module is gm or not isinstance(module, fx.GraphModule):
+            continue
+        if any(n.op == "get_attr" and getattr(module, n.target, None) is body for n in module.graph.nodes):
+            return True
+    return False
 
 
 def _inputs_behind(node) -> set[fx.Node]:
@@ -219,8 +231,10 @@ def run(gm: fx.GraphModule, ctx) -> None:
     _elide_in(gm.graph, lambda call: [("", interpreter)])
     # Attention inside marked layers (torch.compiler.nested_compile_region): the mask is built
     # in the step and passed to every call of the layer's body.
-    for name, calls in _region_calls(gm).items():
-        body = getattr(gm, name)
+    for body, calls in _region_calls(gm).items():
+        if _called_inside_a_region(gm, body):
+            continue
+        name = calls[0].args[0].target
         interpreted = _elide_in(body.graph, _interpreters_at_calls(name, body, calls, interpreter))
         if interpreted:
             _erase_dead(body.graph, interpreted)

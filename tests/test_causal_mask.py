@@ -259,6 +259,37 @@ def test_a_region_mask_causal_at_one_call_only_is_kept_naming_the_other():
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_region_also_called_inside_another_region_is_left_as_it_is():
+    """One marked body called in the step with the causal mask and inside another region with a
+    window: Dynamo keeps one body object for every call, under two attribute names, and reads it
+    from the other region's body too. Its calls are gathered by the object, not the name, and a
+    body another body reads is left alone: the mask stays, the calls keep their inputs (grouped by
+    name, the body was rewritten for the causal calls and the window's call crashed: one input
+    too many)."""
+    from megacompile.core import torch_compat as compat
+
+    @torch.compiler.nested_compile_region
+    def attend(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    @torch.compiler.nested_compile_region
+    def outer(q, k, v, mask):
+        return attend(q, k, v, mask) * 2
+
+    def fn(q, k, v):
+        q_i, k_i = _idx()
+        return attend(q, k, v, k_i <= q_i) + outer(q, k, v, (k_i <= q_i) & (k_i > q_i - 3))
+
+    out, gm = _compiled_with_this_pass_only(fn, *_qkv())
+    torch.testing.assert_close(out, fn(*_qkv()), rtol=1e-6, atol=1e-6)
+    inner_calls = [n for _, m in gm.named_modules() if m is not gm and isinstance(m, torch.fx.GraphModule)
+                   for n in m.graph.nodes if n.op == "call_function" and compat.is_invoke_subgraph(n.target)]
+    assert inner_calls, "the test needs a region called inside another"
+    attentions = [n for _, m in gm.named_modules() if isinstance(m, torch.fx.GraphModule)
+                  for n in m.graph.nodes if n.target is F.scaled_dot_product_attention]
+    assert attentions and all(n.kwargs.get("attn_mask") is not None for n in attentions)
+
+
 def test_every_small_comparison_is_judged_by_its_values():
     """Soundness over a family of masks: ``k op q + c`` alone and and-ed / or-ed with a second
     comparison, all in one graph. A mask is proven causal exactly when its values are tril's."""
