@@ -57,9 +57,7 @@ def canonicalize(node: fx.Node) -> bool:
 def run(gm: fx.GraphModule, ctx) -> None:
     # The bodies of marked layers too (nested_compile_region): elide_causal_mask reads the
     # masks their attention calls are passed through them.
-    bodies = {getattr(gm, n.args[0].target) for n in gm.graph.nodes
-              if n.op == "call_function" and compat.is_invoke_subgraph(n.target) and n.args[0].op == "get_attr"}
-    for module in (gm, *bodies):
+    for module in (gm, *compat.region_calls(gm)):
         if sum(canonicalize(node) for node in module.graph.nodes):
             module.graph.lint()
             module.recompile()

@@ -156,16 +156,6 @@ def _elide_in(graph: fx.Graph, interpreter_for) -> set[fx.Node]:
     return interpreted
 
 
-def _region_calls(gm: fx.GraphModule) -> dict[fx.GraphModule, list[fx.Node]]:
-    """The ``nested_compile_region`` calls of Dynamo's graph, by body (one body may be a ``gm``
-    attribute under several names)."""
-    calls: dict[fx.GraphModule, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and compat.is_invoke_subgraph(n.target) and n.args[0].op == "get_attr":
-            calls.setdefault(getattr(gm, n.args[0].target), []).append(n)
-    return calls
-
-
 def _called_inside_a_region(gm: fx.GraphModule, body: fx.GraphModule) -> bool:
     """Whether some region's body reads ``body`` too (a region called inside another): its calls
     there pass masks this pass does not see, so the body is left as it is."""
@@ -231,7 +221,7 @@ def run(gm: fx.GraphModule, ctx) -> None:
     _elide_in(gm.graph, lambda call: [("", interpreter)])
     # Attention inside marked layers (torch.compiler.nested_compile_region): the mask is built
     # in the step and passed to every call of the layer's body.
-    for body, calls in _region_calls(gm).items():
+    for body, calls in compat.region_calls(gm).items():
         if _called_inside_a_region(gm, body):
             continue
         name = calls[0].args[0].target

@@ -526,6 +526,16 @@ def invoke_subgraph_operands(call: fx.Node) -> list:
     return list(call.args[2:])
 
 
+def region_calls(gm: fx.GraphModule) -> dict[fx.GraphModule, list[fx.Node]]:
+    """The ``nested_compile_region`` calls in ``gm``'s own graph, by body (one body may be a
+    ``gm`` attribute under several names: Dynamo reuses a traced body)."""
+    calls: dict[fx.GraphModule, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and is_invoke_subgraph(n.target) and n.args[0].op == "get_attr":
+            calls.setdefault(getattr(gm, n.args[0].target), []).append(n)
+    return calls
+
+
 def set_invoke_subgraph_operands(call: fx.Node, operands: list) -> None:
     """Passes ``operands`` to the call's body instead (after its placeholders changed alike)."""
     call.args = (*call.args[:2], *operands)
