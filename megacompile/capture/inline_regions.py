@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from megacompile.core import torch_compat as compat
@@ -78,7 +79,12 @@ def _copy_attribute(gm: fx.GraphModule, body: fx.GraphModule, name: str) -> str:
     while hasattr(gm, fresh):
         k += 1
         fresh = f"{name}_{k}"
-    setattr(gm, fresh, value)
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        # A tensor constant: registered as a buffer (not persisted), as fx expects of what a
+        # get_attr reads; a plain attribute drew fx's "no underlying reference" warning.
+        gm.register_buffer(fresh, value, persistent=False)
+    else:
+        setattr(gm, fresh, value)
     return fresh
 
 

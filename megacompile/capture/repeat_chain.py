@@ -7,7 +7,9 @@ in. Where those calls form a chain (each forward call reads the previous one's o
 backward call the next one's input gradient), a program of k layers is the same graph with
 the middle calls left out: the forward hands layer k-2's output straight to the last layer,
 the backward hands the last layer's input gradient straight to layer k-2, and the left-out
-layers' parameter gradients become None. ``template_planner`` plans on such copies (k small
+layers' parameter gradients become None. Where layers of different bodies alternate (Gemma's
+sliding-window and full attention), the chain is counted in units of one period (two layers
+there) and copies keep whole units. ``template_planner`` plans on such copies (k small
 and fixed) instead of building every candidate over all N layers.
 
 Nothing here changes the joint graph it is given: ``truncated_joint`` works on a copy, and
@@ -27,14 +29,23 @@ from megacompile.core import torch_compat as compat
 
 @dataclasses.dataclass
 class RepeatChain:
-    """The forward and backward calls of one body, in forward order (``backward[i]`` is the
-    backward of ``forward[i]``)."""
+    """The forward and backward calls of the repeated layers, in forward order (``backward[i]``
+    is the backward of ``forward[i]``), in units of ``period`` consecutive calls whose bodies
+    repeat unit after unit (1 where every layer is alike; 2 where two kinds alternate, e.g.
+    sliding-window and full attention)."""
 
     forward: list[fx.Node]
     backward: list[fx.Node]
+    period: int = 1
 
     def __len__(self) -> int:
-        return len(self.forward)
+        """The number of units."""
+        return len(self.forward) // self.period
+
+    def units(self) -> list[list[fx.Node]]:
+        """The forward calls grouped by unit."""
+        p = self.period
+        return [self.forward[i:i + p] for i in range(0, len(self.forward), p)]
 
 
 def _is_call(node) -> bool:
@@ -47,38 +58,69 @@ def _reads_from(call: fx.Node, producer: fx.Node) -> list[fx.Node]:
             and a.args[0] is producer]
 
 
+def _linked_runs(calls: list[fx.Node]) -> list[list[fx.Node]]:
+    """Maximal runs of forward calls in which each reads exactly one output of the one before
+    it (the hidden state)."""
+    runs: list[list[fx.Node]] = []
+    for call in calls:
+        if runs and len(_reads_from(call, runs[-1][-1])) == 1:
+            runs[-1].append(call)
+        else:
+            runs.append([call])
+    return runs
+
+
+def _longest_periodic_stretch(bodies: list) -> tuple[int, int, int]:
+    """(start, period, units) of the stretch of ``bodies`` covering the most calls with whole
+    units of one repeating pattern (at least two units); the shortest period on a tie. (0, 1, 0)
+    where none repeats."""
+    best = (0, 1, 0)
+    for p in range(1, len(bodies) // 2 + 1):
+        i = 0
+        while i + p < len(bodies):
+            if bodies[i] != bodies[i + p]:
+                i += 1
+                continue
+            j = i  # bodies[j] == bodies[j + p] for j in [i, end): units = (end - i) // p + 1
+            while j + p < len(bodies) and bodies[j] == bodies[j + p]:
+                j += 1
+            units = (j - i) // p + 1
+            if units >= 2 and units * p > best[1] * best[2]:
+                best = (i, p, units)
+            i = j + 1
+    return best
+
+
 def find_repeat_chain(joint: fx.GraphModule) -> RepeatChain | None:
-    """The longest chain of forward calls of one body with their backward calls, or None."""
-    forward_by_body: dict[str, list[fx.Node]] = {}
+    """The longest periodic chain of forward calls with their backward calls, or None."""
+    forward_calls: list[fx.Node] = []
     backward_calls: list[fx.Node] = []
     for node in joint.graph.nodes:
-        if not _is_call(node):
-            continue
-        if compat.is_backward_tagged(node):
-            backward_calls.append(node)
-        else:
-            forward_by_body.setdefault(node.args[0].target, []).append(node)
-    if not forward_by_body:
+        if _is_call(node):
+            (backward_calls if compat.is_backward_tagged(node) else forward_calls).append(node)
+    best: tuple[int, list[fx.Node]] = (0, [])
+    period = 1
+    for run in _linked_runs(forward_calls):
+        start, p, units = _longest_periodic_stretch([c.args[0].target for c in run])
+        if units * p > best[0]:
+            best, period = (units * p, run[start:start + units * p]), p
+    forward = best[1]
+    if not forward:
         return None
-    forward = max(forward_by_body.values(), key=len)
-    if len(forward) < 2:
-        return None
-    # Each forward call reads exactly one output of the one before it (the hidden state).
-    for prev, cur in zip(forward, forward[1:]):
-        if len(_reads_from(cur, prev)) != 1:
-            return None
-    # A backward call reads what its forward call saved: pair by the forward call it reads
-    # most from. One that reads from none of them is another body's (torch 2.11 traces the
-    # first layer, whose input is a graph input, as a body of its own).
+    # A backward call reads what its forward call saved: pair each with the forward call it
+    # reads most from (among all of them: a layer after the chain may read the chain's last
+    # output too). Calls outside the chain are other bodies' (torch 2.11 traces the first
+    # layer, whose input is a graph input, as a body of its own) or the glue's.
+    in_chain = set(forward)
     paired: dict[fx.Node, fx.Node] = {}
     for call in backward_calls:
-        counts = {f: len(_reads_from(call, f)) for f in forward}
-        best = max(forward, key=lambda f: counts[f])
-        if counts[best] == 0:
+        counts = {f: len(_reads_from(call, f)) for f in forward_calls}
+        best_forward = max(forward_calls, key=lambda f: counts[f])
+        if counts[best_forward] == 0 or best_forward not in in_chain:
             continue
-        if best in paired:
+        if best_forward in paired:
             return None
-        paired[best] = call
+        paired[best_forward] = call
     if len(paired) != len(forward):
         return None
     backward = [paired[f] for f in forward]
@@ -87,7 +129,7 @@ def find_repeat_chain(joint: fx.GraphModule) -> RepeatChain | None:
     for cur, nxt in zip(backward, backward[1:]):
         if len(_reads_from(cur, nxt)) != 1:
             return None
-    return RepeatChain(forward, backward)
+    return RepeatChain(forward, backward, period)
 
 
 def _copy(joint: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
@@ -105,21 +147,22 @@ def _copy(joint: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]
 
 
 def truncated_joint(joint: fx.GraphModule, chain: RepeatChain, k: int) -> fx.GraphModule | None:
-    """A copy of ``joint`` keeping the chain's first k-1 layers and its last one (k layers in
-    all), or None if the left-out layers cannot be cut out cleanly."""
-    n = len(chain)
+    """A copy of ``joint`` keeping the chain's first k-1 units and its last one (k units in
+    all), or None if the left-out units cannot be cut out cleanly."""
+    n, p = len(chain), chain.period
     if not 2 <= k < n:
         return None
     gm, env = _copy(joint)
     fw = [env[c] for c in chain.forward]
     bw = [env[c] for c in chain.backward]
-    dropped_fw, dropped_bw = fw[k - 1:n - 1], bw[k - 1:n - 1]
-    # Forward: the last layer reads what the first left-out layer read.
-    (block_in,) = _reads_from(fw[k - 1], fw[k - 2])
-    (block_out,) = _reads_from(fw[n - 1], fw[n - 2])
-    # Backward: layer k-2 reads the gradient the last layer's backward hands down.
-    (grad_out,) = _reads_from(bw[n - 2], bw[n - 1])
-    (grad_in,) = _reads_from(bw[k - 2], bw[k - 1])
+    first_dropped, last_kept = (k - 1) * p, (n - 1) * p  # calls [first_dropped, last_kept) are left out
+    dropped_fw, dropped_bw = fw[first_dropped:last_kept], bw[first_dropped:last_kept]
+    # Forward: the last unit reads what the first left-out unit read.
+    (block_in,) = _reads_from(fw[first_dropped], fw[first_dropped - 1])
+    (block_out,) = _reads_from(fw[last_kept], fw[last_kept - 1])
+    # Backward: the last kept unit before the cut reads the gradient the last unit hands down.
+    (grad_out,) = _reads_from(bw[last_kept - 1], bw[last_kept])
+    (grad_in,) = _reads_from(bw[first_dropped - 1], bw[first_dropped])
     block_out.replace_all_uses_with(block_in)
     grad_in.replace_all_uses_with(grad_out)
     dropped = set(dropped_fw) | set(dropped_bw)

@@ -162,17 +162,19 @@ class TrainingCompiler:
                 layers.append(layer)
         return layers, [info(n).source for n in used_in_both_phases(joint)]
 
-    def _templates(self, joint: fx.GraphModule, num_fwd_outputs: int, make_maker) -> tuple[list, list[str | None]]:
+    def _templates(self, joint: fx.GraphModule, num_fwd_outputs: int, make_maker) -> tuple[list, list[list[str]]]:
         """Short copies of the (not yet inlined) joint graph to plan its repeated layers on
         (``template_planner``), and the module paths of the full graph's repeated layers (their
-        calls' sites, in forward order); ([], []) where the option, the budget or the graph's
-        structure rules them out."""
+        calls' sites, in forward order, grouped by the chain's units); ([], []) where the
+        option, the budget or the graph's structure rules them out."""
         mode = self.options.plan_repeats
         if mode == "flat" or self.options.memory_budget is None or self.options.recompute == "always":
             return [], []
         chain = find_repeat_chain(joint)
         if chain is None or len(chain) < MIN_LAYERS[mode]:
             return [], []
+        units = [[layer_of_module_path(normalize_module_path(inline_regions.call_site_path(call) or ""))
+                  for call in unit] for unit in chain.units()]
         templates = []
         for k in DEPTHS:
             short = truncated_joint(joint, chain, k)
@@ -180,9 +182,9 @@ class TrainingCompiler:
                 return [], []
             inline_regions.inline_partitioned_regions(short)
             self._prepare(short)
-            templates.append(Template(k, make_maker(self._builder(short, num_fwd_outputs), short), short))
-        return templates, [layer_of_module_path(normalize_module_path(inline_regions.call_site_path(call) or ""))
-                           for call in chain.forward]
+            templates.append(Template(k, make_maker(self._builder(short, num_fwd_outputs), short), short,
+                                      units[:k - 1] + units[-1:]))
+        return templates, units
 
     def _params_read_by(self, joint: fx.GraphModule) -> int:
         """How many parameter elements ``joint`` reads (its placeholders follow the inputs)."""
@@ -279,9 +281,13 @@ class TrainingCompiler:
         if templates:
             try:
                 # The repeated layers by the names the inlined graph's layers have (per-layer mixes).
-                named = [layer for layer in layers if layer in repeated]
+                in_units = {layer for unit in repeated for layer in unit}
+                named = [layer for layer in layers if layer in in_units]
+                period = len(repeated[0])
+                units = ([named[i:i + period] for i in range(0, len(named), period)]
+                         if len(named) == len(in_units) == period * len(repeated) else None)
                 chosen = template_planner.plan_with_templates(make_maker(build), joint, templates, len(repeated),
-                                                              self.options, profile, named)
+                                                              self.options, profile, units)
             except Exception as e:  # noqa: BLE001
                 _template_failed(e)
         if chosen is None and choosing:

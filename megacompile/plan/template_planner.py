@@ -51,9 +51,10 @@ MAX_FULL_BUILDS = 3
 class Template:
     """One short copy of the step, ready to build plans on."""
 
-    k: int
+    k: int  # units of the chain (layers, where the chain's period is one layer)
     maker: PlanMaker
     joint: fx.GraphModule
+    units: list[list[str]]  # the copy's repeated layers (module paths), grouped by unit
 
 
 @dataclasses.dataclass
@@ -118,14 +119,22 @@ def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Te
     groups = saved_groups(attempt, template.joint, profile, options.recompute != "never",
                           options.prefetch_depth, template_floor)
     fw = {node.name: node for node in attempt.forward.graph.nodes}
-    repeated = [g for g in groups if fw[g.root].meta.get(BODY_NODE) is not None]
-    layers = [g.layer for g in repeated]
-    # The template's second layer stands for every repeated layer: its neighbours on both
-    # sides are repeated layers too, as for all but the first and last of the full depth.
-    middle = sorted(set(layers), key=layers.index)[1:2]
-    representative = [g for g in repeated if g.layer in middle]
+    # The template's second unit stands for every unit: its neighbours on both sides are units
+    # too, as for all but the first and last of the full depth. A body that appears several
+    # times in a unit gets one decision, counted as often as it appears.
+    middle = set(template.units[1])
+    times: dict[tuple, int] = {}
+    representative = []
+    for g in groups:
+        key = tuple(fw[m].meta.get(BODY_NODE) for m in g.members)
+        if g.layer in middle and fw[g.root].meta.get(BODY_NODE) is not None:
+            times[key] = times.get(key, 0) + 1
+            if times[key] == 1:
+                representative.append(g)
     glue = [g for g in groups if fw[g.root].meta.get(BODY_NODE) is None]
-    items = [[Option(o.name, o.memory_saved * n, o.time_cost * n) for o in g.options] for g in representative]
+    per_group = [n * times[tuple(fw[m].meta.get(BODY_NODE) for m in g.members)] for g in representative]
+    items = [[Option(o.name, o.memory_saved * c, o.time_cost * c) for o in g.options]
+             for g, c in zip(representative, per_group)]
     items += [list(g.options) for g in glue]
     chosen_for = representative + glue
     if not items:
@@ -199,12 +208,13 @@ def _per_layer_mixes(uniform: dict[str, Priced], depths: tuple, n: int) -> list[
     return out
 
 
-def _mix_layers(mix: Priced, repeated: list[str]) -> dict[str, str]:
-    """Each repeated layer's policy in a mix: the first layers streamed, the next recomputed, the
-    last kept (their backward runs first, with nothing to replay or load, while the earlier
-    layers' inputs come back). The glue is recomputed (``mixed_spec``'s default there)."""
+def _mix_layers(mix: Priced, units: list[list[str]]) -> dict[str, str]:
+    """Each repeated layer's policy in a mix (counted in units; every layer of a unit alike):
+    the first units streamed, the next recomputed, the last kept (their backward runs first,
+    with nothing to replay or load, while the earlier layers' inputs come back). The glue is
+    recomputed (``mixed_spec``'s default there)."""
     order = [STREAMED] * mix.counts[STREAMED] + ["recompute"] * mix.counts["recompute"] + ["keep"] * mix.counts["keep"]
-    return dict(zip(repeated, order))
+    return {layer: policy for unit, policy in zip(units, order) for layer in unit}
 
 
 def fastest_fitting(priced: list[Priced], budget: int, host_budget: int | None) -> list[Priced]:
@@ -231,14 +241,16 @@ def _deeper_prefetch_may_pay(rung: Priced, template: Template) -> bool:
 
 
 def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: list[Template], n: int,
-                        options, profile, repeated_layers: list[str] | None = None) -> Attempt | None:
+                        options, profile, repeated_layers: list[list[str]] | None = None) -> Attempt | None:
     """The plan for the full graph, or None where the flat planner should plan it (keeping
     every activation fits; recompute='always'; no rung's full-depth build fits).
-    ``repeated_layers``: the full graph's names of the n repeated layers in forward order
-    (per-layer mixes are priced only where they are known)."""
+    ``repeated_layers``: the full graph's names of the repeated layers in forward order, grouped
+    by the chain's n units (per-layer mixes are priced only where they are known)."""
     budget = options.memory_budget
     if budget is None or options.recompute == "always":
         return None
+    period = len(templates[-1].units[0])
+    repeated = f"{n} repeated layers" if period == 1 else f"{n * period} repeated layers ({n} units of {period})"
     keep = _price(Spec("keep"), templates, n)
     if keep.peak <= budget:
         return None  # the flat planner's first rungs: a few builds, no ladder
@@ -275,7 +287,7 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: 
         else:
             if inputs is None:
                 inputs = layer_inputs(Spec("recompute (all layers)", default="recompute").build(full, full_joint),
-                                      repeated_layers)
+                                      [layer for unit in repeated_layers for layer in unit])
             per_layer = _mix_layers(rung, repeated_layers)
             attempt = full.make(mixed_spec(rung.spec.name, per_layer, inputs, default="recompute"), snapshots=True)
             attempt.plan.layer_costs = {layer: {"name": p} for layer, p in per_layer.items()}
@@ -292,16 +304,19 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: 
         may_pay = any(_deeper_prefetch_may_pay(r, templates[-1]) for r in shown_by)
         chosen = full.with_tuned_prefetch(attempt) if may_pay else attempt
         builds = full.builds  # the rungs tried, recompute-all for the mixes' inputs, a deeper-prefetch variant
+        unit = "unit" if period > 1 else "repeated layer"
+        per = "unit" if period > 1 else "layer"
         chosen.plan.reason = (
             f"keeping every activation needs about {format_bytes(keep.peak)} (extrapolated) > budget "
-            f"{format_bytes(budget)}; {n} repeated layers planned on {len(templates)} short copies of the step "
-            f"({' and '.join(str(t.k) for t in templates)} layers): {on_copies} candidates deciding alike for every "
-            f"repeated layer, priced there and extrapolated, and {len(priced) - on_copies} per-layer splits among "
-            f"keep, recompute and streamed priced from them; the fastest whose extrapolated peak fits was "
-            f"built over the full graph ({builds} full build(s)) and fits at {format_bytes(chosen.peak)} (predicted "
-            f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver)")
+            f"{format_bytes(budget)}; {repeated} planned on {len(templates)} short copies of the step "
+            f"({' and '.join(str(t.k * period) for t in templates)} layers): {on_copies} candidates deciding alike "
+            f"for every {unit}, priced there and extrapolated, and {len(priced) - on_copies} per-{per} splits "
+            f"among keep, recompute and streamed priced from them; the fastest whose extrapolated peak fits was "
+            f"built over the full graph ({builds} full build(s)) and fits at {format_bytes(chosen.peak)} "
+            f"(predicted {chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver)")
         chosen.plan.template = {
-            "repeated_layers": n, "template_layers": [t.k for t in templates], "candidates": on_copies,
+            "repeated_layers": n * period, "period": period, "template_layers": [t.k * period for t in templates],
+            "candidates": on_copies,
             "per_layer_mixes": len(priced) - on_copies, "full_builds": builds, "extrapolated_peak": int(rung.peak),
             "extrapolated_seconds": rung.seconds,
         }
