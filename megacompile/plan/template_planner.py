@@ -185,13 +185,14 @@ def _quantities(a) -> tuple:
     return a.peak, a.plan.predicted_seconds, len(a.plan.recomputed_ops), a.host_activation_bytes
 
 
-def _per_layer_mixes(uniform: dict[str, Priced], depths: tuple, n: int) -> list[Priced]:
+def _per_layer_mixes(uniform: dict[str, Priced], depths: tuple, n: int, period: int = 1) -> list[Priced]:
     """Every split of the n repeated layers among keep, recompute and streamed that is not
     uniform, priced from the uniform candidates' copies: what one layer of each policy adds
     (the two copies' difference), counted per policy, on top of recompute-all's fixed part (a
     mix recomputes the glue, the layers outside the chain, as recompute-all does). An
     estimate: the chosen mix is built over the full graph and checked as every candidate is,
-    and a miss corrects the estimate of the next (``plan_with_templates``)."""
+    and a miss corrects the estimate of the next (``plan_with_templates``). n counts the chain's
+    units; the names count layers (``period`` per unit)."""
     on_copies = {policy: [_quantities(a) for a in priced.attempts] for policy, priced in uniform.items()}
     slope = {policy: [per_layer_from_two_depths([q[i] for q in rows], depths) for i in range(4)]
              for policy, rows in on_copies.items()}
@@ -203,7 +204,7 @@ def _per_layer_mixes(uniform: dict[str, Priced], depths: tuple, n: int) -> list[
             if max(counts.values()) == n:
                 continue  # uniform: priced from its own copies
             value = [fixed[i] + sum(c * slope[p][i] for p, c in counts.items()) for i in range(4)]
-            label = ", ".join(f"{'streamed' if p == STREAMED else p} {c}" for p, c in counts.items() if c)
+            label = ", ".join(f"{'streamed' if p == STREAMED else p} {c * period}" for p, c in counts.items() if c)
             out.append(Priced(Spec(f"per-layer ({label})"), (), *value, counts=counts))
     return out
 
@@ -271,7 +272,7 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: 
         priced.append(uniform[STREAMED])
     on_copies = len(priced)
     if len(uniform) == len(MIX_POLICIES):
-        priced += _per_layer_mixes(uniform, tuple(t.k for t in templates), n)
+        priced += _per_layer_mixes(uniform, tuple(t.k for t in templates), n, period)
     tried: list[Priced] = []
     inputs = None  # the repeated layers' inputs (streamed_layers.layer_inputs), from recompute-all's full build
     while len(tried) < MAX_FULL_BUILDS:
