@@ -132,6 +132,10 @@ def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Te
             if times[key] == 1:
                 representative.append(g)
     glue = [g for g in groups if fw[g.root].meta.get(BODY_NODE) is None]
+    if not representative and len(glue) < len(groups):
+        # The units' names (call sites) and the groups' layers (annotate's) disagree: deciding
+        # for the glue alone would leave every repeated layer kept. The flat planner plans.
+        raise ValueError(f"the copy's middle unit {sorted(middle)} names no layer of its saved values")
     per_group = [n * times[tuple(fw[m].meta.get(BODY_NODE) for m in g.members)] for g in representative]
     items = [[Option(o.name, o.memory_saved * c, o.time_cost * c) for o in g.options]
              for g, c in zip(representative, per_group)]
