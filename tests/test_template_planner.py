@@ -185,8 +185,10 @@ def test_template_plans_grow_no_slower_with_the_budget():
     plans = [_planned(6, fraction, "template")[0] for fraction in (0.3, 0.37, 0.45)]
     assert all(p.template is not None for p in plans)
     for smaller, larger in zip(plans, plans[1:]):
-        assert larger.predicted_seconds <= smaller.predicted_seconds
-        assert len(larger.recomputed_ops) <= len(smaller.recomputed_ops)
+        # No slower, but for what fewer activation bytes on the host may take (EQUALLY_FAST:
+        # at 0.37 a split that recomputes holds less there than offloading everything, 0.4%
+        # slower; so the recompute count may rise with the budget too).
+        assert larger.predicted_seconds <= smaller.predicted_seconds * (1 + template_planner.EQUALLY_FAST)
 
 
 def _joint_of(model, budget, monkeypatch) -> "torch.fx.GraphModule":
@@ -393,3 +395,24 @@ def test_alternating_layers_are_planned_in_units_as_fast_as_the_flat_planner():
     _compile(model, budget, "flat")(*_batch(torch.Generator().manual_seed(1)))
     flat = _plan_of_last_compile()
     assert flat.template is None and plan.predicted_seconds <= flat.predicted_seconds * 1.05
+
+
+def test_among_equally_fast_candidates_the_one_holding_less_on_the_host_is_built_first():
+    """Gemma-3-12B in bf16 (48 layers, 4 x 4096 tokens, 60 GiB, the H100 profile): streaming 42
+    layers and recompute-all were predicted within a millisecond of each other, and the split that
+    recomputes two ops fewer held 14.4 GiB of activations on the host. Within ``EQUALLY_FAST`` of
+    the fastest, fewer host bytes go first; a candidate past that margin stays behind the faster."""
+    GiB = 1 << 30
+
+    def candidate(name, peak, seconds, recomputed, host=0.0):
+        return template_planner.Priced(template_planner.Spec(name), (), peak * GiB, seconds, recomputed, host * GiB)
+
+    priced = [candidate("streamed 42", 11.4, 3.5670, 6439, 14.4),
+              candidate("recompute (all layers)", 25.8, 3.5672, 6441),
+              candidate("streamed 47", 8.9, 3.5650, 6441, 16.9), candidate("keep 40", 55.0, 3.40, 400, 30.0)]
+    # A candidate 4.6% faster than the rest: first, the rest by time.
+    order = [p.spec.name for p in template_planner.fastest_fitting(priced, 60 * GiB, None)]
+    assert order == ["keep 40", "streamed 47", "streamed 42", "recompute (all layers)"]
+    # Without it the three are equally fast: the fewest host bytes first.
+    order = [p.spec.name for p in template_planner.fastest_fitting(priced[:3], 60 * GiB, None)]
+    assert order == ["recompute (all layers)", "streamed 42", "streamed 47"]

@@ -33,7 +33,7 @@ import torch.fx as fx
 from megacompile.core.node_info import BODY_NODE
 from megacompile.core.units import format_bytes
 from megacompile.plan.depth_extrapolation import extend_to_depth, per_layer_from_two_depths
-from megacompile.plan.flat_planner import Attempt, PlanMaker, saved_groups, solver_mixes
+from megacompile.plan.flat_planner import EQUALLY_FAST, Attempt, PlanMaker, saved_groups, solver_mixes
 from megacompile.plan.solvers import SOLVERS, Option
 from megacompile.plan.streamed_layers import STREAMED, STREAMING_REASON, layer_inputs, mixed_spec
 from megacompile.plan.training_plan import PlanSpec
@@ -224,7 +224,8 @@ def _mix_layers(mix: Priced, units: list[list[str]]) -> dict[str, str]:
 
 def fastest_fitting(priced: list[Priced], budget: int, host_budget: int | None) -> list[Priced]:
     """The candidates whose extrapolated peak fits the budget (and their host bytes the host's),
-    fastest first; ties go to the one that recomputes less, then to the smaller peak.
+    fastest first; among the equally fast (``EQUALLY_FAST``) the one holding fewer activation
+    bytes on the host first; ties go to the one that recomputes less, then to the smaller peak.
 
     Not the highest fitting rung of the flat planner's ladder, along which the recompute count
     may only fall as the peak grows: where the smallest plan offloads every activation (few
@@ -232,7 +233,14 @@ def fastest_fitting(priced: list[Priced], budget: int, host_budget: int | None) 
     offloading mix was built instead (Llama-2-7B in bf16; docs/results.md)."""
     fitting = [p for p in priced
                if p.peak <= budget and (host_budget is None or p.host_activation_bytes <= host_budget)]
-    return sorted(fitting, key=lambda p: (p.seconds, p.recomputed, p.peak))
+    if not fitting:
+        return []
+    fastest = min(p.seconds for p in fitting)
+
+    def order(p: Priced) -> tuple:
+        equally_fast = p.seconds <= fastest * (1 + EQUALLY_FAST)
+        return (not equally_fast, p.host_activation_bytes if equally_fast else 0, p.seconds, p.recomputed, p.peak)
+    return sorted(fitting, key=order)
 
 
 def _deeper_prefetch_may_pay(rung: Priced, template: Template) -> bool:
