@@ -37,11 +37,13 @@ def test_random_training_steps_match_eager_within_budget(spec):
 # offloaded layers with a reused layer and tied weights, a per-activation mix, streamed layers
 # with BatchNorm (one layer deeper and a smaller budget than drawn: since the planner's streamed
 # mixes above recompute-all's peak, the drawn one's plan fills its budget too tightly to merge).
-# The first at 0.7 of its state, not the drawn 0.749: since the reused layer's weights load once per
-# call (not held between its calls), the plan taken at 0.749 does not merge; the same plan merges at 0.7.
+# The first at 0.65 of its state, not the drawn 0.749: since the reused layer's weights load once per
+# call (not held between its calls), the plan taken at 0.749 does not merge; the same plan merged at 0.7
+# until the planners took, of the plans within 0.5% of the fastest, the one holding the fewest bytes on
+# the host (at 0.7 now one with an offload fewer, which does not merge; 0.65 and 0.75 merge).
 MERGED_EXAMPLES = [
     FuzzSpec(depth=4, width=32, norm="rms", residual=False, reuse_layer=True, tied=True, buffer=False, frozen=False,
-             aux_output=True, dropout=True, budget_fraction=0.7, batch=3, seq=16),
+             aux_output=True, dropout=True, budget_fraction=0.65, batch=3, seq=16),
     FuzzSpec(depth=1, width=32, norm="none", residual=False, reuse_layer=False, tied=False, buffer=True, frozen=True,
              aux_output=True, dropout=True, budget_fraction=0.110, batch=2, seq=4),
     FuzzSpec(depth=4, width=16, norm="batch", residual=False, reuse_layer=False, tied=False, buffer=False,

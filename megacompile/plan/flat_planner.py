@@ -584,7 +584,7 @@ def plan_training(
         f"{chosen.plan.predicted_seconds * 1e3:.3f} ms/step, {options.solver} solver for per-layer choices)"
     )
     if chosen is not fitting[-1]:
-        chosen.plan.reason += (f"; of the plans within {EQUALLY_FAST:.1%} of the fastest "
+        chosen.plan.reason += (f"; of the plans that fit within {EQUALLY_FAST:.1%} of the ladder's choice "
                                f"({fitting[-1].plan.predicted_seconds * 1e3:.3f} ms/step, "
                                f"{format_bytes(fitting[-1].host_activation_bytes)} of activations on the host), "
                                f"the one holding the fewest there ({format_bytes(chosen.host_activation_bytes)})")
@@ -675,8 +675,9 @@ EQUALLY_FAST = 0.005
 
 
 def _least_on_host_as_fast_as(chosen: Attempt, fitting: list[Attempt]) -> Attempt:
-    """Of the plans that fit and are as fast as ``chosen`` (``EQUALLY_FAST``), the one holding
-    the fewest activation bytes on the host; ties to the faster, then to fewer recomputes."""
+    """Of the plans that fit and are no slower than ``chosen`` (the ladder's choice) by more than
+    ``EQUALLY_FAST``, the one holding the fewest activation bytes on the host; ties to the
+    faster, then to fewer recomputes (a plan off the ladder for recomputing more can win)."""
     limit = chosen.plan.predicted_seconds * (1 + EQUALLY_FAST)
     as_fast = [c for c in fitting if c.plan.predicted_seconds <= limit] + [chosen]
     return min(as_fast, key=lambda c: (c.host_activation_bytes, c.plan.predicted_seconds,
