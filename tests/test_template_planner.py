@@ -416,3 +416,16 @@ def test_among_equally_fast_candidates_the_one_holding_less_on_the_host_is_built
     # Without it the three are equally fast: the fewest host bytes first.
     order = [p.spec.name for p in template_planner.fastest_fitting(priced[:3], 60 * GiB, None)]
     assert order == ["recompute (all layers)", "streamed 42", "streamed 47"]
+    # The flat planner's rule: the ladder took the split; recompute-all is off the ladder (more
+    # recomputes at the same time) and holds nothing on the host.
+    from types import SimpleNamespace
+
+    from megacompile.plan import flat_planner
+
+    def attempt(seconds, recomputed, peak, host):
+        return SimpleNamespace(plan=SimpleNamespace(predicted_seconds=seconds, recomputed_ops=[0] * recomputed),
+                               peak=peak * GiB, host_activation_bytes=host * GiB)
+    ladder_choice, recompute_all, slower = attempt(3.567, 6439, 11.4, 14.4), attempt(3.567, 6441, 25.8, 0), \
+        attempt(3.6, 448, 30.0, 0)
+    assert flat_planner._least_on_host_as_fast_as(ladder_choice, [recompute_all, slower]) is recompute_all
+    assert flat_planner._least_on_host_as_fast_as(ladder_choice, [slower]) is ladder_choice
