@@ -123,22 +123,22 @@ def _uniform_mixes(keep: Priced, floor: float, template_floor: int, template: Te
     # too, as for all but the first and last of the full depth. A body that appears several
     # times in a unit gets one decision, counted as often as it appears.
     middle = set(template.units[1])
-    times: dict[tuple, int] = {}
-    representative = []
+    times: dict[tuple, int] = {}  # a body's saved group (by its members' body nodes) -> how often in the unit
+    first_of: dict[tuple, object] = {}
     for g in groups:
-        key = tuple(fw[m].meta.get(BODY_NODE) for m in g.members)
         if g.layer in middle and fw[g.root].meta.get(BODY_NODE) is not None:
+            key = tuple(fw[m].meta.get(BODY_NODE) for m in g.members)
             times[key] = times.get(key, 0) + 1
-            if times[key] == 1:
-                representative.append(g)
+            first_of.setdefault(key, g)
+    representative = list(first_of.values())
     glue = [g for g in groups if fw[g.root].meta.get(BODY_NODE) is None]
     if not representative and len(glue) < len(groups):
         # The units' names (call sites) and the groups' layers (annotate's) disagree: deciding
         # for the glue alone would leave every repeated layer kept. The flat planner plans.
         raise ValueError(f"the copy's middle unit {sorted(middle)} names no layer of its saved values")
-    per_group = [n * times[tuple(fw[m].meta.get(BODY_NODE) for m in g.members)] for g in representative]
+    counted = [n * times[key] for key in first_of]
     items = [[Option(o.name, o.memory_saved * c, o.time_cost * c) for o in g.options]
-             for g, c in zip(representative, per_group)]
+             for g, c in zip(representative, counted)]
     items += [list(g.options) for g in glue]
     chosen_for = representative + glue
     if not items:
@@ -263,7 +263,7 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: 
     if budget is None or options.recompute == "always":
         return None
     period = len(templates[-1].units[0])
-    repeated = f"{n} repeated layers" if period == 1 else f"{n * period} repeated layers ({n} units of {period})"
+    described = f"{n} repeated layers" if period == 1 else f"{n * period} repeated layers ({n} units of {period})"
     keep = _price(Spec("keep"), templates, n)
     if keep.peak <= budget:
         return None  # the flat planner's first rungs: a few builds, no ladder
@@ -321,7 +321,7 @@ def plan_with_templates(full: PlanMaker, full_joint: fx.GraphModule, templates: 
         per = "unit" if period > 1 else "layer"
         chosen.plan.reason = (
             f"keeping every activation needs about {format_bytes(keep.peak)} (extrapolated) > budget "
-            f"{format_bytes(budget)}; {repeated} planned on {len(templates)} short copies of the step "
+            f"{format_bytes(budget)}; {described} planned on {len(templates)} short copies of the step "
             f"({' and '.join(str(t.k * period) for t in templates)} layers): {on_copies} candidates deciding alike "
             f"for every {unit}, priced there and extrapolated, and {len(priced) - on_copies} per-{per} splits "
             f"among keep, recompute and streamed priced from them; the fastest whose extrapolated peak fits was "
